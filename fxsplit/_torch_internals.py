@@ -1,0 +1,149 @@
+"""Every private PyTorch API fxsplit relies on, in one place.
+
+AOTAutograd, Inductor and autograd-engine internals change between releases.
+Each helper below names what it relies on, so supporting a new torch release
+means reading (and, if needed, changing) this file only. Tested on
+torch 2.11 - 2.14.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+BoxedCallable = Callable[[list[Any]], Any]
+
+
+@contextlib.contextmanager
+def aot_config_for_split() -> Iterator[None]:
+    """AOTAutograd settings the split needs while a region is compiled.
+
+    * ``force_non_lazy_backward_lowering``: the backward is compiled (and so
+      split) at forward-compile time, inside the tracing context, and the
+      autograd node carries our runtime from the first call on
+      (``CompiledFunction.compiled_bw``).
+    * ``donated_buffer=False``: Inductor may otherwise reuse a saved
+      activation's storage inside the backward; the dI graph must not clobber
+      a value the dW graph still reads, and B runs with ``retain_graph=True``
+      when eager code needs it (donated buffers forbid that).
+    * ``enable_autograd_cache=False``: the AOTAutograd cache would store and
+      replay Inductor's fused backward without our split.
+    """
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(
+        force_non_lazy_backward_lowering=True,
+        donated_buffer=False,
+        enable_autograd_cache=False,
+    ):
+        yield
+
+
+def compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], inner_compile: Callable[..., Any]) -> Any:
+    """Inductor's whole pipeline (pre-grad passes, decompositions, AOTAutograd,
+    min-cut partitioner) with our ``inner_compile`` called once for the forward
+    and once, with ``is_backward=True``, for the backward graph.
+    Relies on: ``torch._inductor.compile_fx.compile_fx(inner_compile=...)``."""
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> BoxedCallable:
+    """Compile one post-partition graph with Inductor (Triton on CUDA, C++ on CPU).
+    Relies on: ``torch._inductor.compile_fx.compile_fx_inner`` and its keyword
+    arguments (``static_input_idxs``, ``cudagraphs``, ``is_backward``, ...)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def no_cudagraphs() -> Any:
+    """A ``cudagraphs`` argument for ``compile_fx_inner`` that turns them off.
+    Split graphs exchange live-ins and must not be captured in CUDA graphs."""
+    from torch._inductor.utils import BoxedBool
+
+    return BoxedBool(False)
+
+
+def boxed(fn: Callable[..., Any]) -> BoxedCallable:
+    """Mark ``fn(*args)`` as taking one list argument, AOTAutograd's "boxed" convention.
+    Relies on: ``functorch.compile.make_boxed_func``."""
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(fn)
+
+
+def backward_output_input_indices(bw: fx.GraphModule) -> list[int | None] | None:
+    """For each backward output, the index of the forward input it is the gradient of.
+
+    Relies on AOTAutograd's descriptors (``output_node.meta["desc"]`` holding
+    ``GradAOTOutput(grad_of=PlainAOTInput(idx))``). Returns ``None`` if the
+    graph carries no descriptors; an entry is ``None`` when the output is not
+    the gradient of a plain input (synthetic bases, subclasses, None grads).
+    """
+    out = bw.graph.output_node()
+    descs = out.meta.get("desc")
+    if not isinstance(descs, (list, tuple)):
+        return None
+    result: list[int | None] = []
+    for d in descs:
+        grad_of = getattr(d, "grad_of", None)
+        idx = getattr(grad_of, "idx", None) if type(grad_of).__name__ == "PlainAOTInput" else None
+        result.append(idx if isinstance(idx, int) else None)
+    return result
+
+
+def mark_user_visible_outputs(gm: fx.GraphModule, visible: Sequence[int]) -> None:
+    """Inductor's backward compile reads ``output.meta["user_visible_output_idxs"]``
+    (set by ``compile_fx_backward``) to decide which output strides it must keep."""
+    gm.graph.output_node().meta["user_visible_output_idxs"] = list(visible)
+
+
+def current_autograd_node() -> Any:
+    """The autograd node the engine is running on this thread (the AOTAutograd
+    ``ctx`` when called from a compiled backward). Relies on
+    ``torch._C._current_autograd_node``."""
+    return torch._C._current_autograd_node()
+
+
+def engine_will_execute(node: Any) -> bool:
+    """Whether the running backward will execute ``node``.
+
+    Relies on ``torch._C._will_engine_execute_node``, which refuses leaf nodes
+    under ``torch.autograd.grad``; leaves are reported as not executed, which
+    is what ``autograd.grad`` does with leaves it does not capture.
+    """
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
+def compiled_backward_of(node: Any) -> Any:
+    """The compiled backward callable behind an AOTAutograd autograd node, or None.
+    Relies on ``CompiledFunction.compiled_bw`` (``runtime_wrappers.py``), reached
+    through the node's ``_forward_cls``, and unwraps the ``torch._dynamo.disable``
+    wrapper AOTAutograd puts around it (``__wrapped__``)."""
+    cls = getattr(node, "_forward_cls", None)
+    fn = getattr(cls, "compiled_bw", None) if cls is not None else None
+    for _ in range(8):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = inner
+    return fn
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
+def autocast_disabled() -> Any:
+    """Turn autocast off, as AOTAutograd does around compiled graphs that were
+    traced with autocast on (``torch._C._DisableAutocast``)."""
+    return torch._C._DisableAutocast()

@@ -1,0 +1,191 @@
+"""The ``fxsplit`` torch.compile backend.
+
+Dynamo graph -> Inductor's pipeline (pre-grad passes, decompositions,
+AOTAutograd, min-cut partitioner) -> the forward is compiled by the inner
+compiler exactly as ``backend="inductor"`` does; the backward graph is split
+by :func:`passes.split_backward` into a dI and a dW graph, each compiled by
+the inner compiler, and wrapped in a :class:`~fxsplit.runtime.CompiledSplitBackward`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxsplit import _torch_internals as ti
+from fxsplit.runtime import CompiledSplitBackward
+from passes import split_backward
+
+log = logging.getLogger("fxsplit")
+
+__all__ = ["BackendOptions", "FxsplitCompileError", "backend", "fxsplit_backend", "compiled_regions"]
+
+_COMPILERS = ("inductor", "eager")
+_region_ids = itertools.count()
+
+
+class FxsplitCompileError(RuntimeError):
+    """Compiling or splitting a region failed and ``fallback="error"`` was set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """Options of the fxsplit backend.
+
+    compiler: ``"inductor"`` (default; Triton on CUDA, C++ on CPU) or
+        ``"eager"`` (run the split FX graphs without Inductor: for debugging
+        and fast tests).
+    fused_backward: also compile the unsplit backward and use it for ordinary
+        ``.backward()`` so that it matches ``backend="inductor"`` kernel for
+        kernel. With ``False`` ordinary backward runs dI then dW back to back
+        and compiles one graph less.
+    fallback: ``"eager"`` (default): if a region cannot be compiled or split,
+        log one warning and run it eagerly, where the eager split still
+        applies; ``"error"``: raise :class:`FxsplitCompileError`.
+    inductor_config: Inductor config patches (as ``torch.compile(options=...)``).
+    """
+
+    compiler: str = "inductor"
+    fused_backward: bool = True
+    fallback: str = "eager"
+    inductor_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.compiler not in _COMPILERS:
+            raise ValueError(f"fxsplit: compiler must be one of {_COMPILERS}, got {self.compiler!r}")
+        if self.fallback not in ("eager", "error"):
+            raise ValueError(f"fxsplit: fallback must be 'eager' or 'error', got {self.fallback!r}")
+
+
+# Every region compiled in this process, for inspection (weakly held via the callable).
+_REGIONS: list[CompiledSplitBackward] = []
+
+
+def compiled_regions() -> list[CompiledSplitBackward]:
+    """The split backward regions compiled so far in this process (oldest first)."""
+    return list(_REGIONS)
+
+
+def _inner_compile_for(opts: BackendOptions) -> Callable[..., ti.BoxedCallable]:
+    if opts.compiler == "eager":
+        return lambda gm, example_inputs, **kw: ti.boxed(gm)
+
+    def inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
+        if opts.inductor_config:
+            from torch._inductor import config as inductor_config
+
+            with inductor_config.patch(opts.inductor_config):
+                return ti.inductor_compile_graph(gm, example_inputs, **kw)
+        return ti.inductor_compile_graph(gm, example_inputs, **kw)
+
+    return inductor
+
+
+def _weight_outputs(bw: fx.GraphModule, is_param: Sequence[bool]) -> list[int]:
+    """Backward outputs that are gradients of ``nn.Parameter`` inputs of the Dynamo graph."""
+    grad_of = ti.backward_output_input_indices(bw)
+    if grad_of is None:
+        raise FxsplitCompileError(
+            "fxsplit: the backward graph carries no AOTAutograd descriptors; cannot tell "
+            "weight gradients from input gradients"
+        )
+    return [i for i, idx in enumerate(grad_of) if idx is not None and idx < len(is_param) and is_param[idx]]
+
+
+def _compile_split_backward(
+    bw: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    kwargs: dict[str, Any],
+    is_param: Sequence[bool],
+    opts: BackendOptions,
+    name: str,
+) -> CompiledSplitBackward:
+    inner = _inner_compile_for(opts)
+    split = split_backward(bw, _weight_outputs(bw, is_param))
+    log.debug("fxsplit: %s split:\n%s", name, split.describe())
+
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    static = set(kwargs.get("static_input_idxs") or ())
+    split_kwargs = dict(kwargs)
+    if opts.compiler == "inductor":
+        split_kwargs["cudagraphs"] = ti.no_cudagraphs()
+
+    di_gm = split.di_graph
+    ti.mark_user_visible_outputs(di_gm, range(len(split.di_outputs)))
+    run_di = inner(di_gm, list(example_inputs), **{**split_kwargs, "static_input_idxs": sorted(static)})
+
+    index_of = {p.name: k for k, p in enumerate(placeholders)}
+    dw_examples: list[Any] = []
+    dw_static: list[int] = []
+    for k, live in enumerate(split.live_ins):
+        if live.source == "input":
+            dw_examples.append(example_inputs[index_of[live.name]])
+            if index_of[live.name] in static:
+                dw_static.append(k)
+        else:
+            node = next(n for n in bw.graph.nodes if n.name == live.name)
+            dw_examples.append(node.meta["val"])
+    dw_gm = split.dw_graph
+    ti.mark_user_visible_outputs(dw_gm, range(len(split.dw_outputs)))
+    run_dw = inner(dw_gm, dw_examples, **{**split_kwargs, "static_input_idxs": dw_static})
+
+    run_fused = inner(bw, list(example_inputs), **kwargs) if opts.fused_backward else None
+    region = CompiledSplitBackward(split, run_di, run_dw, run_fused, name=name)
+    _REGIONS.append(region)
+    log.info(
+        "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins",
+        name, opts.compiler, len(split.di_outputs), len(split.dw_outputs), len(split.live_ins),
+    )
+    return region
+
+
+def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
+    name = f"region{next(_region_ids)}"
+    is_param = [isinstance(e, torch.nn.Parameter) for e in example_inputs]
+    inner = _inner_compile_for(opts)
+
+    def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
+        if kw.get("is_backward"):
+            return _compile_split_backward(g, ex, kw, is_param, opts, name)
+        return inner(g, ex, **kw)
+
+    with ti.aot_config_for_split():
+        return ti.compile_fx(gm, example_inputs, inner_compile)
+
+
+def backend(**options: Any) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
+    """A configured fxsplit backend: ``torch.compile(m, backend=fxsplit.backend(compiler="eager"))``.
+
+    See :class:`BackendOptions` for the options.
+    """
+    opts = BackendOptions(**options)
+
+    def fxsplit_backend_configured(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        # compile_fx may rewrite gm in place; keep a pristine graph to fall back on.
+        pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if opts.fallback == "eager" else gm
+        try:
+            return _compile_region(gm, example_inputs, opts)
+        except Exception as e:
+            if opts.fallback == "error":
+                raise FxsplitCompileError(f"fxsplit: could not compile or split a region: {e}") from e
+            log.warning(
+                "fxsplit: could not compile or split a region (%s: %s); running it eagerly, "
+                "where the eager split applies",
+                type(e).__name__, e,
+            )
+            return pristine.forward
+
+    fxsplit_backend_configured.options = opts  # type: ignore[attr-defined]
+    return fxsplit_backend_configured
+
+
+fxsplit_backend = backend()
+"""The default backend, registered as ``backend="fxsplit"`` through the
+``torch_dynamo_backends`` entry point."""
