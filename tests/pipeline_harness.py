@@ -1,0 +1,391 @@
+"""Multi-process harness for the pipelining tests (CPU, gloo, world size 2).
+
+The parent (pytest) calls :func:`run_world`: it spawns ``world_size``
+processes, each of which runs every case in ``cases`` under one gloo process
+group and reports back through a queue. Exceptions in a rank come back as
+their traceback and are raised in the parent; a rank that neither reports
+nor exits in time is killed and the parent fails with a timeout (no hangs).
+
+Each case builds the same small transformer in every rank (same seed), runs
+two optimizer steps of an upstream schedule over fxsplit
+:class:`~fxsplit.pipelining.PipelineStage` s, and checks in-rank, against a
+single-process non-pipelined eager reference, every microbatch loss and
+every parameter gradient of the stages the rank holds. It returns, per
+backward action, the fxsplit region counters and FLOPs measured around it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+D_MODEL = 16
+N_HEADS = 2
+N_BLOCKS = 4
+MB_BATCH = 2  # samples per microbatch
+SEQ = 6  # tokens per sample; MB_BATCH * SEQ = 12 differs from every weight dimension
+N_MICROBATCHES = 4
+N_STEPS = 2
+LR = 0.1
+
+SCHEDULES = (
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+)
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+class Block(nn.Module):
+    """Pre-LN transformer block: LayerNorm, causal SDPA attention, GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class StageModule(nn.Module):
+    """A run of blocks; the last stage also has the final LayerNorm and output head."""
+
+    def __init__(self, n_blocks: int, last: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(D_MODEL, N_HEADS) for _ in range(n_blocks))
+        self.head = nn.Sequential(nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, D_MODEL)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def build_reference(n_stages: int) -> list[StageModule]:
+    torch.manual_seed(0)
+    per = N_BLOCKS // n_stages
+    return [StageModule(per, last=(s == n_stages - 1)) for s in range(n_stages)]
+
+
+def make_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    n = MB_BATCH * N_MICROBATCHES
+    return torch.randn(n, SEQ, D_MODEL, generator=g), torch.randn(n, SEQ, D_MODEL, generator=g)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def weight_grad_flops(module: nn.Module) -> int:
+    """FLOPs of the weight-gradient matmuls of every Linear for one microbatch (2*T*in*out each)."""
+    tokens = MB_BATCH * SEQ
+    return sum(2 * tokens * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def stage_ids_for(schedule: str, rank: int, world: int) -> tuple[list[int], int]:
+    """Stage indices held by ``rank`` and the total number of stages."""
+    if schedule == "Schedule1F1B":
+        return [rank], world
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * world - 1 - rank], 2 * world
+    return [rank, rank + world], 2 * world  # looped placement
+
+
+# ---------------------------------------------------------------------------------------------
+# in-rank instrumentation: counters and FLOPs around every backward action
+def _region_totals() -> dict[str, int]:
+    import fxsplit
+
+    totals = {"di_runs": 0, "dw_runs": 0, "fused_runs": 0}
+    for region in fxsplit.compiled_regions():
+        for k in totals:
+            totals[k] += region.stats[k]
+    return totals
+
+
+class MatmulFlops:
+    """Counts matmul/attention FLOPs of every op dispatched while active (torch's FLOP formulas).
+
+    A plain dispatch mode: ``FlopCounterMode`` also tracks modules with
+    multi-grad hooks, which cannot run inside ``torch.autograd.grad``.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                formula = flop_registry.get(func._overloadpacket)
+                if formula is not None:
+                    counter.total += int(formula(*args, **kwargs, out_val=out))
+                return out
+
+        self.total = 0
+        self._mode = _Mode()
+
+    def __enter__(self) -> MatmulFlops:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def make_recording_stage_class() -> type:
+    from fxsplit.pipelining import PipelineStage
+
+    class RecordingStage(PipelineStage):
+        """Records, per backward action: kind, microbatch, counter deltas, FLOPs."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.actions: list[dict[str, Any]] = []
+
+        def _record(self, kind: str, mb: int, fn: Any) -> None:
+            before = _region_totals()
+            with MatmulFlops() as counter:
+                fn()
+            after = _region_totals()
+            rec = {k: after[k] - before[k] for k in before}
+            rec.update(stage=self.stage_index, kind=kind, mb=mb, flops=counter.total)
+            self.actions.append(rec)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> None:
+            self._record("B" if full_backward else "I", bwd_chunk_id,
+                         lambda: super(RecordingStage, self).backward_one_chunk(
+                             bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward))
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+            self._record("W", bwd_chunk_id,
+                         lambda: super(RecordingStage, self).backward_weight_one_chunk(
+                             bwd_chunk_id, last_backward=last_backward))
+
+    return RecordingStage
+
+
+# ---------------------------------------------------------------------------------------------
+# one case in one rank
+@dataclasses.dataclass
+class Case:
+    schedule: str
+    compiler: str = "eager"
+    fused_backward: bool = True
+
+
+def _reference_step(stages: list[StageModule], x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Non-pipelined eager reference: per-microbatch losses, grads scaled as the schedule does."""
+    losses = []
+    for xm, ym in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
+        h = xm
+        for s in stages:
+            h = s(h)
+        loss = loss_fn(h, ym)
+        loss.backward()
+        losses.append(loss.detach())
+    for s in stages:
+        for p in s.parameters():
+            p.grad.div_(N_MICROBATCHES)
+    return [float(v) for v in losses]
+
+
+def reference_backward_flops(module: StageModule, first: bool, last: bool) -> tuple[int, int]:
+    """(input-gradient-only, full) backward FLOPs of one microbatch through the eager ``module``.
+
+    Eager ``autograd.grad`` w.r.t. the input alone skips every weight-gradient
+    matmul, so the first number is what B may cost and no more.
+    """
+    x = torch.randn(MB_BATCH, SEQ, D_MODEL, requires_grad=not first)
+    params = list(module.parameters())
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = module(x)
+        if last:
+            return loss_fn(out, torch.zeros_like(out)), None
+        return out, torch.ones_like(out)
+
+    input_only = 0
+    if not first:
+        out, g = outputs()
+        with MatmulFlops() as c:
+            torch.autograd.grad(out, [x], g)
+        input_only = c.total
+    out, g = outputs()
+    with MatmulFlops() as c:
+        torch.autograd.grad(out, ([] if first else [x]) + params, g)
+    return input_only, c.total
+
+
+def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed.pipelining.schedules as schedules
+
+    import fxsplit
+
+    torch._dynamo.reset()
+    stage_ids, n_stages = stage_ids_for(case.schedule, rank, world)
+    reference = build_reference(n_stages)
+    modules = {s: copy.deepcopy(reference[s]) for s in stage_ids}
+    backend = fxsplit.backend(compiler=case.compiler, fused_backward=case.fused_backward)
+    for m in modules.values():
+        m.compile(backend=backend)  # in place: the schedules refuse OptimizedModule
+
+    stage_cls = make_recording_stage_class()
+    stages = [stage_cls(modules[s], s, n_stages, torch.device("cpu")) for s in stage_ids]
+    schedule_cls = getattr(schedules, case.schedule)
+    if case.schedule == "Schedule1F1B":
+        schedule = schedule_cls(stages[0], N_MICROBATCHES, loss_fn=loss_fn)
+    else:
+        schedule = schedule_cls(stages, N_MICROBATCHES, loss_fn=loss_fn)
+
+    ref_opt = torch.optim.SGD([p for m in reference for p in m.parameters()], lr=LR)
+    opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=LR)
+    has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
+    step_losses = []
+    grads_checked = 0
+    for step in range(N_STEPS):
+        x, y = make_data(step)
+        ref_losses = _reference_step(reference, x, y)
+        for st in stages:
+            st.actions.clear()
+        losses: list[torch.Tensor] = []
+        args = (x,) if has_first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if has_last else {}
+        schedule.step(*args, **kwargs)
+        if has_last:
+            got = [float(v.detach()) for v in losses]
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{case.schedule} step {step}: microbatch losses differ: {m}")
+            step_losses.append(got)
+        for s, m in modules.items():
+            for (name, p), (_, rp) in zip(m.named_parameters(), reference[s].named_parameters(), strict=True):
+                grads_checked += 1
+                assert p.grad is not None, f"{case.schedule} step {step}: stage {s} {name}: no gradient"
+                torch.testing.assert_close(
+                    p.grad, rp.grad, rtol=1e-4, atol=1e-5,
+                    msg=lambda msg, s=s, name=name: f"{case.schedule} step {step}: stage {s} {name}.grad: {msg}")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+    return {
+        "schedule": case.schedule,
+        "rank": rank,
+        "stages": stage_ids,
+        "n_stages": n_stages,
+        "losses": step_losses,
+        "grads_checked": grads_checked,
+        # actions of the last step only (the first step also compiles)
+        "actions": [a for st in stages for a in st.actions],
+        "weight_grad_flops": {s: weight_grad_flops(m) for s, m in modules.items()},
+        "reference_flops": {s: reference_backward_flops(reference[s], s == 0, s == n_stages - 1) for s in stage_ids},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+def _worker(rank: int, world: int, port: int, cases: list[Case], results: Any, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            out = [run_case(c, rank, world) for c in cases]
+        finally:
+            dist.destroy_process_group()
+        results.put(("ok", rank, out))
+    except BaseException:  # report everything, including assertion failures
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorldFailed(AssertionError):
+    pass
+
+
+def run_world(cases: list[Case], world: int = 2, timeout_s: float = 240.0) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` on ``world`` spawned ranks; return each rank's results (indexed by rank).
+
+    Raises :class:`WorldFailed` with the rank's traceback if any rank fails,
+    exits without reporting, or does not finish within ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, results, timeout_s), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world:
+            try:
+                status, rank, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                if dead:
+                    # give the queue a moment: a rank may have reported just before exiting
+                    try:
+                        status, rank, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        raise WorldFailed(
+                            f"rank(s) {dead} exited (exit codes {[procs[r].exitcode for r in dead]}) "
+                            "without reporting a result") from None
+                elif time.monotonic() > deadline:
+                    raise WorldFailed(f"timed out after {timeout_s:.0f}s waiting for ranks "
+                                      f"{sorted(set(range(world)) - set(got))}") from None
+                else:
+                    continue
+            if status == "error":
+                raise WorldFailed(f"rank {rank} failed:\n{payload}")
+            got[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [got[r] for r in range(world)]
