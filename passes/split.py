@@ -20,6 +20,7 @@ when dI ends.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -133,6 +134,95 @@ def _copy_nodes(
         env[n] = graph.node_copy(n, lambda a: env[a])
 
 
+def _mask_position(node: fx.Node) -> int | None:
+    """Position of the ``output_mask`` argument of a multi-output backward op
+    (``convolution_backward`` and friends), or ``None``."""
+    if node.op != "call_function":
+        return None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for k, arg in enumerate(schema.arguments):
+        if arg.name == "output_mask":
+            return k
+    return None
+
+
+def _get_mask(node: fx.Node, pos: int) -> list[bool] | None:
+    mask = node.args[pos] if pos < len(node.args) else node.kwargs.get("output_mask")
+    if isinstance(mask, (list, tuple)) and all(isinstance(m, bool) for m in mask):
+        return list(mask)
+    return None
+
+
+def _with_mask(node: fx.Node, pos: int, mask: list[bool]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if pos < len(node.args):
+        args = list(node.args)
+        args[pos] = mask
+        return tuple(args), dict(node.kwargs)
+    return tuple(node.args), {**node.kwargs, "output_mask": mask}
+
+
+def _masked_nodes_to_split(graph: fx.Graph, di_nodes: set[fx.Node]) -> list[tuple[fx.Node, set[int]]]:
+    """Multi-output backward ops (one node computing e.g. the input *and* the
+    weight gradient of a convolution) that dI needs but whose other outputs
+    only dW reads. Returns each with the output indices dI needs."""
+    found = []
+    for n in graph.nodes:
+        if n not in di_nodes:
+            continue
+        pos = _mask_position(n)
+        if pos is None or _get_mask(n, pos) is None:
+            continue
+        users = list(n.users)
+        if not users or any(u.target is not operator.getitem or not isinstance(u.args[1], int) for u in users):
+            continue
+        di_idx = {u.args[1] for u in users if u in di_nodes}
+        dw_idx = {u.args[1] for u in users if u not in di_nodes}
+        if di_idx and dw_idx:
+            found.append((n, di_idx))
+    return found
+
+
+def _split_masked_node(graph: fx.Graph, node: fx.Node, di_idx: set[int]) -> None:
+    """Replace ``node`` by two nodes of the same op: one computing the outputs
+    in ``di_idx``, one the rest (via ``output_mask``), and rewire its getitems."""
+    pos = _mask_position(node)
+    assert pos is not None
+    mask = _get_mask(node, pos)
+    assert mask is not None
+    parts = {}
+    for side, keep in (("di", lambda i: i in di_idx), ("dw", lambda i: i not in di_idx)):
+        new_mask = [m and keep(i) for i, m in enumerate(mask)]
+        args, kwargs = _with_mask(node, pos, new_mask)
+        with graph.inserting_after(node):
+            new = graph.call_function(node.target, args, kwargs)
+        new.meta = dict(node.meta)
+        parts[side] = new
+    for u in list(node.users):
+        u.replace_input_with(node, parts["di"] if u.args[1] in di_idx else parts["dw"])
+    graph.erase_node(node)
+
+
+def _di_closure(graph: fx.Graph, rets: Sequence[Any], di_outputs: Sequence[int]) -> set[fx.Node]:
+    """Nodes dI runs: ancestors of the input gradients, plus side-effecting
+    nodes (they must run exactly once, and dI always runs)."""
+    impure = [n for n in graph.nodes if n.op == "call_function" and n.is_impure() and not n.users]
+    return _ancestors([rets[i] for i in di_outputs] + impure)
+
+
+def _copy_graph(graph: fx.Graph, rets: Sequence[Any]) -> tuple[fx.Graph, list[Any]]:
+    """A copy of ``graph`` (same node names and meta) and ``rets`` mapped into it."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op != "output":
+            env[n] = new.node_copy(n, lambda a: env[a])
+    new_rets = [env[r] if isinstance(r, fx.Node) else r for r in rets]
+    new.output(tuple(new_rets))
+    return new, new_rets
+
+
 def split_backward(
     bw: fx.GraphModule,
     weight_outputs: Collection[int],
@@ -160,11 +250,18 @@ def split_backward(
     dw_outputs = tuple(i for i, r in enumerate(rets) if i in weight_set and r is not None)
     di_outputs = tuple(i for i, r in enumerate(rets) if i not in weight_set and r is not None)
 
-    # Nodes with side effects must run exactly once; they belong to dI.
-    impure = [
-        n for n in bw.graph.nodes if n.op == "call_function" and n.is_impure() and not n.users
-    ]
-    di_nodes = _ancestors([rets[i] for i in di_outputs] + impure)
+    graph = bw.graph
+    di_nodes = _di_closure(graph, rets, di_outputs)
+    to_split = _masked_nodes_to_split(graph, di_nodes)
+    if to_split:
+        # One node computes both an input and a weight gradient (e.g.
+        # convolution_backward): on a private copy of the graph, give dI a node
+        # computing only what dI needs, so the weight-gradient work moves to dW.
+        graph, rets = _copy_graph(bw.graph, rets)
+        env_nodes = {n.name: n for n in graph.nodes}
+        for n, di_idx in to_split:
+            _split_masked_node(graph, env_nodes[n.name], di_idx)
+        di_nodes = _di_closure(graph, rets, di_outputs)
     dw_needed = _ancestors([rets[i] for i in dw_outputs])
     dw_nodes = dw_needed - di_nodes
 
@@ -178,13 +275,13 @@ def split_backward(
     for i in dw_outputs:
         if rets[i] not in dw_nodes:
             crossing.add(rets[i])
-    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     # Placeholders only dW reads are in dw_nodes; move them to the crossing set.
     for p in placeholders:
         if p in dw_nodes:
             dw_nodes.discard(p)
             crossing.add(p)
-    order = {n: k for k, n in enumerate(bw.graph.nodes)}
+    order = {n: k for k, n in enumerate(graph.nodes)}
     live_nodes = sorted(crossing, key=order.__getitem__)
 
     # ---- dI graph: same placeholders as bw, returns dI outputs + live-ins.
@@ -192,7 +289,7 @@ def split_backward(
     env: dict[fx.Node, fx.Node] = {}
     for p in placeholders:
         env[p] = di.node_copy(p)
-    body = [n for n in bw.graph.nodes if n in di_nodes and n.op not in ("placeholder", "output")]
+    body = [n for n in graph.nodes if n in di_nodes and n.op not in ("placeholder", "output")]
     _copy_nodes(body, di, env)
     di_ret = [env[rets[i]] for i in di_outputs] + [env[n] for n in live_nodes]
     di.output(tuple(di_ret))
@@ -204,7 +301,7 @@ def split_backward(
         ph = dw.placeholder(n.name)
         ph.meta = dict(n.meta)
         wenv[n] = ph
-    wbody = [n for n in bw.graph.nodes if n in dw_nodes and n.op not in ("placeholder", "output")]
+    wbody = [n for n in graph.nodes if n in dw_nodes and n.op not in ("placeholder", "output")]
     _copy_nodes(wbody, dw, wenv)
     dw.output(tuple(wenv[rets[i]] for i in dw_outputs))
 
