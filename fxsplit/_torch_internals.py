@@ -43,6 +43,25 @@ def aot_config_for_split() -> Iterator[None]:
         yield
 
 
+def declare_no_donated_buffers() -> None:
+    """Record, for the region being compiled, that its backward donates no buffers.
+
+    With ``donated_buffer=False`` at compile time AOTAutograd leaves
+    ``fw_metadata.bw_donated_idxs`` as ``None``, and its runtime check
+    (``runtime_wrappers.py``: ``config.donated_buffer and retain_graph and
+    bw_donated_idxs != []``) then refuses ``retain_graph=True``, which B needs
+    when eager code lies below a compiled region. Relies on
+    ``TracingContext.fw_metadata`` being the metadata the runtime reads (true
+    for plain-tensor regions; subclass regions keep the check, which is safe).
+    """
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
+        meta.bw_donated_idxs = []
+
+
 def compile_fx(gm: fx.GraphModule, example_inputs: Sequence[Any], inner_compile: Callable[..., Any]) -> Any:
     """Inductor's whole pipeline (pre-grad passes, decompositions, AOTAutograd,
     min-cut partitioner) with our ``inner_compile`` called once for the forward
@@ -147,3 +166,30 @@ def autocast_disabled() -> Any:
     """Turn autocast off, as AOTAutograd does around compiled graphs that were
     traced with autocast on (``torch._C._DisableAutocast``)."""
     return torch._C._DisableAutocast()
+
+
+def compiled_output_strides(compiled: Any) -> list[tuple[int, ...] | None] | None:
+    """The strides Inductor chose for each output of a compiled graph (None where
+    unknown or symbolic). Relies on ``CompiledFxGraph.output_strides`` (one tuple
+    of stride expressions printed as strings per output, or None)."""
+    strides = getattr(compiled, "output_strides", None)
+    if not isinstance(strides, (list, tuple)):
+        return None
+    result: list[tuple[int, ...] | None] = []
+    for s in strides:
+        try:
+            result.append(tuple(int(e) for e in s) if s is not None else None)
+        except (TypeError, ValueError):
+            result.append(None)
+    return result
+
+
+def with_strides(example: Any, stride: tuple[int, ...] | None) -> Any:
+    """``example`` as a tensor of the same shape and dtype laid out with ``stride``
+    (itself when no stride is given or it already has it)."""
+    if stride is None or not isinstance(example, torch.Tensor) or tuple(example.stride()) == stride:
+        return example
+    # Allocate in the example's fake mode (a traced value): no real memory at compile time.
+    mode = getattr(example, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        return torch.empty_strided(tuple(example.shape), stride, dtype=example.dtype, device=example.device)

@@ -75,7 +75,9 @@ def compiled_regions() -> list[CompiledSplitBackward]:
 
 def _inner_compile_for(opts: BackendOptions) -> Callable[..., ti.BoxedCallable]:
     if opts.compiler == "eager":
-        return lambda gm, example_inputs, **kw: ti.boxed(gm)
+        # gm.forward, not gm: calling the GraphModule would run global nn.Module
+        # hooks (e.g. FlopCounterMode's module tracker) on every backward graph.
+        return lambda gm, example_inputs, **kw: ti.boxed(gm.forward)
 
     def inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
         if opts.inductor_config:
@@ -104,11 +106,13 @@ def _compile_split_backward(
     example_inputs: Sequence[Any],
     kwargs: dict[str, Any],
     is_param: Sequence[bool],
+    is_tensor: Sequence[bool],
     opts: BackendOptions,
     name: str,
 ) -> CompiledSplitBackward:
     inner = _inner_compile_for(opts)
     split = split_backward(bw, _weight_outputs(bw, is_param))
+    ti.declare_no_donated_buffers()
     log.debug("fxsplit: %s split:\n%s", name, split.describe())
 
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
@@ -121,6 +125,7 @@ def _compile_split_backward(
     ti.mark_user_visible_outputs(di_gm, range(len(split.di_outputs)))
     run_di = inner(di_gm, list(example_inputs), **{**split_kwargs, "static_input_idxs": sorted(static)})
 
+    di_strides = ti.compiled_output_strides(run_di) if opts.compiler == "inductor" else None
     index_of = {p.name: k for k, p in enumerate(placeholders)}
     dw_examples: list[Any] = []
     dw_static: list[int] = []
@@ -131,13 +136,16 @@ def _compile_split_backward(
                 dw_static.append(k)
         else:
             node = next(n for n in bw.graph.nodes if n.name == live.name)
-            dw_examples.append(node.meta["val"])
+            # dW receives this live-in as compiled dI lays it out (Inductor may
+            # pick e.g. channels-last for a conv gradient), not as traced.
+            stride = di_strides[len(split.di_outputs) + k] if di_strides else None
+            dw_examples.append(ti.with_strides(node.meta["val"], stride))
     dw_gm = split.dw_graph
     ti.mark_user_visible_outputs(dw_gm, range(len(split.dw_outputs)))
     run_dw = inner(dw_gm, dw_examples, **{**split_kwargs, "static_input_idxs": dw_static})
 
     run_fused = inner(bw, list(example_inputs), **kwargs) if opts.fused_backward else None
-    region = CompiledSplitBackward(split, run_di, run_dw, run_fused, name=name)
+    region = CompiledSplitBackward(split, run_di, run_dw, run_fused, name=name, input_is_tensor=is_tensor)
     _REGIONS.append(region)
     log.info(
         "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins",
@@ -149,11 +157,12 @@ def _compile_split_backward(
 def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
     name = f"region{next(_region_ids)}"
     is_param = [isinstance(e, torch.nn.Parameter) for e in example_inputs]
+    is_tensor = [isinstance(e, torch.Tensor) for e in example_inputs]
     inner = _inner_compile_for(opts)
 
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
         if kw.get("is_backward"):
-            return _compile_split_backward(g, ex, kw, is_param, opts, name)
+            return _compile_split_backward(g, ex, kw, is_param, is_tensor, opts, name)
         return inner(g, ex, **kw)
 
     with ti.aot_config_for_split():

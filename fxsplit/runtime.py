@@ -132,6 +132,7 @@ class CompiledSplitBackward:
         run_dw: ti.BoxedCallable,
         run_fused: ti.BoxedCallable | None,
         name: str,
+        input_is_tensor: Sequence[bool] | None = None,
     ) -> None:
         # An instance attribute, so wrappers that copy __dict__ (torch._dynamo.disable) keep it.
         self._boxed_call = True
@@ -140,6 +141,10 @@ class CompiledSplitBackward:
         self._run_dw = run_dw
         self._run_fused = run_fused
         self.name = name
+        # Which forward inputs are tensors: the autograd node has an edge per
+        # tensor input only, while the backward returns one output per input
+        # (None for SymInts, e.g. with dynamic shapes).
+        self.input_is_tensor = tuple(input_is_tensor) if input_is_tensor is not None else None
         self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
 
     # -- graph-level pieces -------------------------------------------------
@@ -170,7 +175,9 @@ class CompiledSplitBackward:
             return list(self._run_fused(args))
         di_vals, live = self._di_and_live(args)
         args.clear()
-        return self._assemble(di_vals, self.run_dw(live))
+        dw_vals = self.run_dw(live)
+        self.stats["dw_runs"] += 1
+        return self._assemble(di_vals, dw_vals)
 
     # -- AOTAutograd entry point -------------------------------------------
     def __call__(self, args: list[Any]) -> list[Any]:
@@ -197,14 +204,7 @@ class CompiledSplitBackward:
         return self._input_phase(phase, node, args)
 
     def _input_phase(self, phase: InputPhase, node: Any, args: list[Any]) -> list[Any]:
-        edges = node.next_functions
-        if len(edges) != self.split.num_outputs:
-            raise RuntimeError(
-                f"fxsplit: {self.name}: the autograd node has {len(edges)} inputs but the backward "
-                f"graph has {self.split.num_outputs} outputs, so weight gradients cannot be matched "
-                "to parameters. Compile this module with backend='inductor' and use the eager split, "
-                "or report this with the module that triggers it."
-            )
+        edges = self._edges_by_output(node.next_functions)
         di_vals, live = self._di_and_live(args)
         args.clear()
         params = self._params_of(edges, self.split.dw_outputs)
@@ -214,18 +214,36 @@ class CompiledSplitBackward:
         # run (an eager weight upstream of this region): keep them for it.
         deferred = {}
         for i, v in zip(self.split.di_outputs, di_vals):
-            fn = edges[i][0]
+            fn = edges[i][0] if edges[i] is not None else None
             if v is not None and fn is not None and not ti.engine_will_execute(fn):
                 deferred[i] = v
         if deferred:
             setattr(node, _DEFERRED, deferred)
         return self._assemble(di_vals, None)
 
+    def _edges_by_output(self, edges: Sequence[Any]) -> list[Any]:
+        """The autograd edge each backward output flows into (``None`` for a
+        non-tensor forward input, which has no edge)."""
+        n = self.split.num_outputs
+        if len(edges) == n:
+            return list(edges)
+        flags = self.input_is_tensor
+        if flags is not None and len(flags) == n and sum(flags) == len(edges):
+            it = iter(edges)
+            return [next(it) if is_tensor else None for is_tensor in flags]
+        raise RuntimeError(
+            f"fxsplit: {self.name}: the autograd node has {len(edges)} inputs but the backward "
+            f"graph has {n} outputs (forward tensor inputs: "
+            f"{'unknown' if flags is None else sum(flags)}), so weight gradients cannot be matched "
+            "to parameters. Compile this module with backend='inductor' and use the eager split, "
+            "or report this with the module that triggers it."
+        )
+
     @staticmethod
     def _params_of(edges: Sequence[Any], positions: Sequence[int]) -> list[torch.Tensor | None]:
         params: list[torch.Tensor | None] = []
         for i in positions:
-            fn = edges[i][0]
+            fn = edges[i][0] if edges[i] is not None else None
             var = getattr(fn, "variable", None) if fn is not None and ti.is_accumulate_grad(fn) else None
             params.append(var if isinstance(var, torch.nn.Parameter) else None)
         return params
