@@ -8,7 +8,7 @@
   that run those graphs (and an eager split for everything not compiled).
 """
 
-from fxsplit.api import PendingWeightGrads, stage_backward, stage_backward_input, stage_backward_weight
+from fxsplit.api import PendingWeightGrads, explain, stage_backward, stage_backward_input, stage_backward_weight
 from fxsplit.backend import BackendOptions, FxsplitCompileError, backend, compiled_regions
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __all__ = [
     "PendingWeightGrads",
     "backend",
     "compiled_regions",
+    "explain",
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",

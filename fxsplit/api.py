@@ -5,26 +5,30 @@ does no weight-gradient work; ``stage_backward_weight`` (W) does that work
 later and accumulates into ``.grad``; ``stage_backward`` is the full
 backward. fxsplit-compiled regions are split by their compiled dI/dW
 graphs; everything else by the eager reverse closure (:mod:`fxsplit.fallback`).
+
+Misuse (W without B, W twice, B twice, gradients that do not match the
+outputs, another module's weights, double backward) raises before any
+work is done, so every ``.grad`` and all pending W work stay as they were.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge
 
-from fxsplit.fallback import EagerWeightPlan, gradient_edge, plan_eager_weight_work
+from fxsplit.fallback import EagerWeightPlan, WeightGroup, gradient_edge, plan_eager_weight_work
 from fxsplit.runtime import CompiledWeightWork, InputPhase, WeightPhase, active_phase
 
 log = logging.getLogger("fxsplit")
 
-__all__ = ["PendingWeightGrads", "stage_backward", "stage_backward_input", "stage_backward_weight"]
+__all__ = ["PendingWeightGrads", "explain", "stage_backward", "stage_backward_input", "stage_backward_weight"]
 
 Output = torch.Tensor | GradientEdge
+Weights = Iterable[torch.Tensor] | Iterator[torch.nn.Parameter]
 
 
 class PendingWeightGrads:
@@ -32,9 +36,11 @@ class PendingWeightGrads:
 
     Returned by :func:`stage_backward_input` in the place of upstream's
     ``param_groups`` and consumed, exactly once, by :func:`stage_backward_weight`.
-    It holds only what W needs: the live-ins of each compiled region, and for
-    eager code the gradients saved at the intermediates (and the autograd
-    nodes below them).
+    It holds only what W needs: the live-ins of each compiled region
+    (``compiled``), and for eager code the gradients B saved at the
+    intermediate autograd nodes (``plan.intermediates``/``saved_grads``) and
+    at stage outputs whose backward is all weight work (``root_edges``/
+    ``root_grads``). W drops all of it.
     """
 
     def __init__(
@@ -73,7 +79,7 @@ class PendingWeightGrads:
         return total
 
     def summary(self) -> str:
-        """Which path each part of this stage takes: a line for logs and debugging."""
+        """Which path each part of this stage's W takes, on one line (for logs)."""
         regions = ", ".join(sorted({r.region for r in self.compiled})) or "none"
         return (
             f"compiled W work: {len(self.compiled)} region call(s) ({regions}); "
@@ -83,57 +89,115 @@ class PendingWeightGrads:
             + ("" if not self.done else " [done]")
         )
 
+    def explain(self) -> str:
+        """A multi-line account of what B did and what W will do, part by part."""
+        if self.done:
+            return "W already ran for this microbatch; nothing is held."
+        lines = []
+        for r in self.compiled:
+            n = sum(p is not None for p in r.params)
+            lines.append(
+                f"compiled  {r.region}: dI graph ran in B; dW graph pending for {n} weight(s), "
+                f"holding {r.live_in_bytes} bytes of live-ins"
+            )
+        for node, grads in zip(self.plan.intermediates, self.saved_grads):
+            held = sum(g.numel() * g.element_size() for g in grads or () if isinstance(g, torch.Tensor))
+            lines.append(f"eager     {node.name()}: ran in B; W resumes autograd here from {held} saved bytes")
+        for edge in self.root_edges:
+            lines.append(
+                f"eager     output {edge.node.name()}: no input gradient flows through it; W runs its whole "
+                "backward (compiled regions there run their fused backward)"
+            )
+        lines.append(
+            f"weights: {len(self.plan.eager_weights)} by eager autograd in W, "
+            f"{sum(sum(p is not None for p in r.params) for r in self.compiled)} by compiled dW graphs, "
+            f"{self.plan.unreached} with no gradient from these outputs"
+        )
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return f"PendingWeightGrads({self.summary()})"
 
     def _release(self) -> None:
         self.done = True
         self.compiled = []
-        self.plan = EagerWeightPlan([], [], [])
+        self.plan = EagerWeightPlan([], [], [], self.plan.unreached)
         self.saved_grads = []
         self.root_edges = []
         self.root_grads = []
 
 
-# Outputs B has already run on (B twice on them is an error). Weak: no lifetime extension.
-_b_done: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+def explain(param_groups: PendingWeightGrads) -> str:
+    """Which path each part of a stage's backward took (B) and will take (W).
+
+    ``param_groups`` is what :func:`stage_backward_input` returned.
+    """
+    if not isinstance(param_groups, PendingWeightGrads):
+        raise TypeError(f"fxsplit.explain needs a PendingWeightGrads, got {type(param_groups).__name__}")
+    return param_groups.explain()
 
 
-def _flatten_outputs(outputs: Any, grads: Any, where: str = "stage output") -> tuple[list[Output], list[Any]]:
+# Outputs B has already run on carry this attribute (B twice on them is an error).
+# An attribute, not a WeakSet: set membership would compare tensors with ==.
+_B_DONE = "_fxsplit_b_done"
+
+
+def _refuse_create_graph(create_graph: bool) -> None:
+    if create_graph:
+        raise NotImplementedError(
+            "fxsplit: create_graph=True (double backward) is not supported through a split backward; "
+            "use torch.autograd.grad(..., create_graph=True) on the unsplit graph instead"
+        )
+
+
+def _flatten_outputs(outputs: Any, grads: Any) -> tuple[list[Output], list[Any]]:
     """Pair every tensor (or GradientEdge) in a nested output with its gradient.
 
     ``grads`` is ``None`` (all gradients implicit) or has the same structure
-    as ``outputs``. Outputs that do not require grad are dropped.
+    as ``outputs``. Outputs that do not require grad are dropped. Raises
+    ``RuntimeError`` for an output a split backward already ran on.
     """
+    if isinstance(outputs, (torch.Tensor, GradientEdge)):
+        outputs = [outputs]
+        if isinstance(grads, torch.Tensor):
+            grads = [grads]
     outs: list[Output] = []
     gs: list[Any] = []
-
-    def visit(o: Any, g: Any, path: str) -> None:
-        if isinstance(o, GradientEdge):
-            outs.append(o)
-            gs.append(g)
-        elif isinstance(o, torch.Tensor):
-            if not o.requires_grad and o.grad_fn is None:
-                return
-            if g is not None and not isinstance(g, torch.Tensor):
-                raise TypeError(f"fxsplit: gradient for {path} must be a Tensor or None, got {type(g).__name__}")
-            outs.append(o)
-            gs.append(g)
-        elif isinstance(o, (list, tuple)):
-            if g is not None and (not isinstance(g, (list, tuple)) or len(g) != len(o)):
-                got = f"{type(g).__name__} of length {len(g)}" if isinstance(g, (list, tuple)) else type(g).__name__
-                raise ValueError(f"fxsplit: output_grads for {path} must be a sequence of length {len(o)}, got {got}")
-            for k, item in enumerate(o):
-                visit(item, None if g is None else g[k], f"{path}[{k}]")
-        elif isinstance(o, dict):
-            if g is not None and (not isinstance(g, dict) or set(g) != set(o)):
-                raise ValueError(f"fxsplit: output_grads for {path} must be a dict with keys {sorted(map(str, o))}")
-            for k, item in o.items():
-                visit(item, None if g is None else g[k], f"{path}[{k!r}]")
-        # anything else (ints, strings, None) carries no gradient
-
-    visit(outputs, grads, where)
+    _visit_output(outputs, grads, "stage output", outs, gs)
     return outs, gs
+
+
+# A module-level function, not a recursive closure: a closure that refers to
+# itself is a reference cycle that would keep the stage outputs alive until
+# the garbage collector runs (the "ref cycle" note in upstream's _backward.py).
+def _visit_output(o: Any, g: Any, path: str, outs: list[Output], gs: list[Any]) -> None:
+    if isinstance(o, GradientEdge):
+        outs.append(o)
+        gs.append(g)
+    elif isinstance(o, torch.Tensor):
+        if getattr(o, _B_DONE, False):
+            raise RuntimeError(
+                f"fxsplit: stage_backward_input already ran on {path}; B runs once per microbatch "
+                "(the pending W work of that B is unchanged)"
+            )
+        if not o.requires_grad and o.grad_fn is None:
+            return
+        if g is not None and not isinstance(g, torch.Tensor):
+            raise TypeError(f"fxsplit: the gradient for {path} must be a Tensor or None, got {type(g).__name__}")
+        outs.append(o)
+        gs.append(g)
+    elif isinstance(o, (list, tuple)):
+        if g is not None and (not isinstance(g, (list, tuple)) or len(g) != len(o)):
+            got = f"{type(g).__name__} of length {len(g)}" if isinstance(g, (list, tuple)) else type(g).__name__
+            raise ValueError(f"fxsplit: output_grads for {path} must be a sequence of length {len(o)}, got {got}")
+        for k, item in enumerate(o):
+            _visit_output(item, None if g is None else g[k], f"{path}[{k}]", outs, gs)
+    elif isinstance(o, dict):
+        if g is not None and (not isinstance(g, dict) or set(g) != set(o)):
+            raise ValueError(f"fxsplit: output_grads for {path} must be a dict with keys {sorted(map(str, o))}")
+        for k, item in o.items():
+            _visit_output(item, None if g is None else g[k], f"{path}[{k!r}]", outs, gs)
+    # anything else (ints, strings, None) carries no gradient
 
 
 def _check_grads(outs: Sequence[Output], grads: list[Any]) -> list[torch.Tensor]:
@@ -143,7 +207,8 @@ def _check_grads(outs: Sequence[Output], grads: list[Any]) -> list[torch.Tensor]
         if isinstance(o, GradientEdge):
             if g is None:
                 raise ValueError(
-                    f"fxsplit: stage output {k} is a GradientEdge; an explicit output gradient is required for it"
+                    f"fxsplit: stage output {k} is a GradientEdge ({o.node.name()}); pass its gradient in "
+                    "output_grads (a GradientEdge has no shape to make an implicit one from)"
                 )
             checked.append(g)
             continue
@@ -165,24 +230,33 @@ def _check_grads(outs: Sequence[Output], grads: list[Any]) -> list[torch.Tensor]
             )
         if g.requires_grad:
             raise NotImplementedError(
-                "fxsplit: output gradients that require grad (create_graph=True / double backward) "
-                "are not supported through a split backward"
+                f"fxsplit: output gradient {k} requires grad: double backward (create_graph=True) is not "
+                "supported through a split backward"
             )
         checked.append(g)
     return checked
 
 
-def _as_output_list(stage_outputs_or_loss: Any) -> Any:
-    if isinstance(stage_outputs_or_loss, (torch.Tensor, GradientEdge)):
-        return [stage_outputs_or_loss]
-    return stage_outputs_or_loss
+def _weights_list(weights: Weights) -> list[torch.Tensor]:
+    result = list(weights)
+    for w in result:
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"fxsplit: weights must be tensors, got {type(w).__name__}")
+        if w.requires_grad and w.grad_fn is not None:
+            raise ValueError(
+                f"fxsplit: weights must be leaf tensors (parameters); got a non-leaf tensor of shape "
+                f"{tuple(w.shape)} produced by {w.grad_fn.name()}"
+            )
+    return result
 
 
 def stage_backward_input(
     stage_outputs_or_loss: Any,
     output_grads: Any,
     input_values: Sequence[Any],
-    weights: Iterable[torch.Tensor] | Iterator[torch.nn.Parameter],
+    weights: Weights,
+    *,
+    create_graph: bool = False,
 ) -> tuple[tuple[torch.Tensor | None, ...], PendingWeightGrads]:
     """B: gradients of the stage inputs, with no weight-gradient work.
 
@@ -197,30 +271,25 @@ def stage_backward_input(
 
     ``stage_outputs_or_loss`` may be a tensor, a ``GradientEdge``, or a nested
     list/tuple/dict of them; ``output_grads`` is ``None`` (scalar losses) or has
-    the same structure. Raises ``ValueError``/``TypeError`` before doing any
-    work if the gradients do not match the outputs, and ``RuntimeError`` if B
-    already ran on these outputs.
+    the same structure (required for ``GradientEdge`` outputs). Before doing
+    any work, raises ``ValueError``/``TypeError`` if the gradients do not match
+    the outputs or the weights are not the stage's, ``RuntimeError`` if B
+    already ran on these outputs, and ``NotImplementedError`` for
+    ``create_graph=True``.
     """
-    weights = list(weights)
-    for w in weights:
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"fxsplit: weights must be tensors, got {type(w).__name__}")
-    outs_raw = _as_output_list(stage_outputs_or_loss)
-    outs, grads_raw = _flatten_outputs(outs_raw, output_grads)
+    _refuse_create_graph(create_graph)
+    weights = _weights_list(weights)
+    outs, grads_raw = _flatten_outputs(stage_outputs_or_loss, output_grads)
     grads = _check_grads(outs, grads_raw)
-    for o in outs:
-        if isinstance(o, torch.Tensor) and o in _b_done:
-            raise RuntimeError(
-                "fxsplit: stage_backward_input already ran on this stage output; B runs once per microbatch"
-            )
 
     out_edges = [gradient_edge(o) for o in outs]
-    grad_inputs = [
-        (k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad
-    ]
+    grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
     input_nodes = [gradient_edge(v).node for _, v in grad_inputs] if outs else []
     plan = plan_eager_weight_work(out_edges, input_nodes, weights)
 
+    # B saves the gradient flowing into each intermediate for W. Each hook
+    # writes into a plain list slot (no closure over the hook handle or the
+    # node), and the hooks are removed before B returns.
     saved: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(plan.intermediates)
     handles = []
     for k, node in enumerate(plan.intermediates):
@@ -236,7 +305,7 @@ def stage_backward_input(
         if grad_inputs and outs:
             with active_phase(phase):
                 results = torch.autograd.grad(
-                    [o for o in outs],
+                    outs,
                     [v for _, v in grad_inputs],
                     grad_outputs=grads,
                     retain_graph=bool(plan.intermediates),
@@ -244,11 +313,14 @@ def stage_backward_input(
                 )
             for (k, _), g in zip(grad_inputs, results):
                 dinputs[k] = g
+    except NotImplementedError:
+        raise
     except Exception as e:
         raise RuntimeError(f"fxsplit: stage_backward_input failed: {e}") from e
     finally:
         for h in handles:
             h.remove()
+        del handles
 
     for v, g in zip(input_values, dinputs):
         if g is not None:
@@ -267,17 +339,47 @@ def stage_backward_input(
     )
     for o in outs:
         if isinstance(o, torch.Tensor):
-            _b_done.add(o)
+            setattr(o, _B_DONE, True)
+            # Frees the graph above the outputs that nothing needs any more.
+            # Views cannot be detached in place (upstream's fix: skip them).
             if not o._is_view() and o.grad_fn is not None:
                 o.detach_()
-    log.debug("fxsplit: B done: %s", work.summary())
+    if log.isEnabledFor(logging.DEBUG):
+        ran = sorted({r.region for r in phase.records})
+        log.debug(
+            "fxsplit: B: dI ran compiled in %s, eager autograd for the rest; W pending: %s",
+            ", ".join(ran) or "no region", work.summary(),
+        )
     return tuple(dinputs), work
 
 
+def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> PendingWeightGrads:
+    if not isinstance(param_groups, PendingWeightGrads):
+        raise TypeError(
+            "fxsplit: stage_backward_weight needs the param_groups returned by fxsplit.stage_backward_input "
+            f"for the same microbatch (W with no matching B); got {type(param_groups).__name__}"
+        )
+    if param_groups.done:
+        raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
+    given = {id(w) for w in weights}
+    expected = {id(w) for w in param_groups._weights}
+    if given != expected:
+        extra = sum(1 for w in weights if id(w) not in expected)
+        missing = sum(1 for w in param_groups._weights if id(w) not in given)
+        raise ValueError(
+            "fxsplit: stage_backward_weight got weights that differ from those given to stage_backward_input "
+            f"({extra} do not belong to the stage's B, {missing} missing); pass the same weights to B and W "
+            "(the pending W work is unchanged)"
+        )
+    return param_groups
+
+
 def stage_backward_weight(
-    weights: Iterable[torch.Tensor] | Iterator[torch.nn.Parameter],
+    weights: Weights,
     param_groups: PendingWeightGrads,
     retain_graph: bool = False,
+    *,
+    create_graph: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """W: weight gradients for the microbatch ``param_groups`` came from, accumulated into ``.grad``.
 
@@ -288,65 +390,74 @@ def stage_backward_weight(
     gradients are computed before any ``.grad`` is touched. Returns the
     weights' ``.grad`` after accumulation.
 
-    Raises ``TypeError`` if ``param_groups`` did not come from
-    :func:`stage_backward_input`, ``RuntimeError`` if W already ran for it, and
-    ``ValueError`` if ``weights`` differ from B's; in each case nothing changes.
+    Raises, with nothing changed, ``TypeError`` if ``param_groups`` did not
+    come from :func:`stage_backward_input`, ``RuntimeError`` if W already ran
+    for it, ``ValueError`` if ``weights`` differ from B's, and
+    ``NotImplementedError`` for ``create_graph=True``.
     """
+    _refuse_create_graph(create_graph)
     weights = list(weights)
-    if not isinstance(param_groups, PendingWeightGrads):
-        raise TypeError(
-            "fxsplit: stage_backward_weight needs the param_groups returned by fxsplit.stage_backward_input "
-            f"for the same microbatch (W with no matching B); got {type(param_groups).__name__}"
-        )
-    work = param_groups
-    if work.done:
-        raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
-    given = {id(w) for w in weights}
-    expected = {id(w) for w in work._weights}
-    if given != expected:
-        extra = sum(1 for w in weights if id(w) not in expected)
-        missing = sum(1 for w in work._weights if id(w) not in given)
-        raise ValueError(
-            "fxsplit: stage_backward_weight got weights that differ from those given to stage_backward_input "
-            f"({extra} not part of the stage's B, {missing} missing); pass the same weights to B and W"
-        )
+    work = _check_weight_call(weights, param_groups)
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     plan = work.plan
-    if plan.eager_weights:
-        edges: list[GradientEdge] = []
-        edge_grads: list[torch.Tensor] = []
-        for node, grads in zip(plan.intermediates, work.saved_grads):
-            for i, g in enumerate(grads or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    edge_grads.append(g)
-        edges.extend(work.root_edges)
-        edge_grads.extend(work.root_grads)
-        # Pin each intermediate's incoming gradient to what B saved, so a path
-        # from one intermediate through another is not counted twice.
-        handles = [
-            node.register_prehook(lambda _g, sg=grads: sg)
-            for node, grads in zip(plan.intermediates, work.saved_grads)
-            if grads is not None
-        ]
-        try:
-            if edges:
-                with active_phase(WeightPhase()):
-                    dws = torch.autograd.grad(
-                        edges, plan.eager_weights, grad_outputs=edge_grads,
-                        retain_graph=retain_graph, allow_unused=True,
-                    )
-                pairs.extend((w, g) for w, g in zip(plan.eager_weights, dws) if g is not None)
-        finally:
-            for h in handles:
-                h.remove()
+    # A group with several intermediates (a weight used at an ancestor and a
+    # descendant site) runs through the nodes between them, which other
+    # groups may need: run such groups first and keep the graph for the rest.
+    groups = sorted(plan.groups, key=lambda g: len(g.intermediates) <= 1)
+    for k, group in enumerate(groups):
+        keep = retain_graph or (len(group.intermediates) > 1 and k < len(groups) - 1)
+        pairs.extend(_run_eager_group(work, group, keep))
     for record in work.compiled:
         pairs.extend(record.run())
 
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "fxsplit: W: compiled dW in %s; eager autograd for %d weight(s) from %d intermediate(s) "
+            "and %d output edge(s)",
+            ", ".join(sorted({r.region for r in work.compiled})) or "no region",
+            len(plan.eager_weights), len(plan.intermediates), len(work.root_edges),
+        )
     work._release()
     _accumulate(pairs)
     return tuple(w.grad for w in weights)
+
+
+def _run_eager_group(
+    work: PendingWeightGrads, group: WeightGroup, retain_graph: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One autograd call from the group's saved gradients to its weights."""
+    plan = work.plan
+    edges: list[GradientEdge] = []
+    edge_grads: list[torch.Tensor] = []
+    for k in group.intermediates:
+        for i, g in enumerate(work.saved_grads[k] or ()):
+            if g is not None:
+                edges.append(GradientEdge(plan.intermediates[k], i))
+                edge_grads.append(g)
+    for k in group.roots:
+        j = plan.w_roots.index(k)
+        edges.append(work.root_edges[j])
+        edge_grads.append(work.root_grads[j])
+    if not edges:
+        return []
+    # Pin each intermediate's incoming gradient to what B saved: when one of
+    # the group's intermediates lies below another (a weight used at an
+    # ancestor and a descendant site), the path between them is not counted twice.
+    handles = []
+    if len(group.intermediates) > 1:
+        for k in group.intermediates:
+            if work.saved_grads[k] is not None:
+                handles.append(plan.intermediates[k].register_prehook(lambda _g, sg=work.saved_grads[k]: sg))
+    try:
+        with active_phase(WeightPhase()):
+            dws = torch.autograd.grad(
+                edges, list(group.weights), grad_outputs=edge_grads, retain_graph=retain_graph, allow_unused=True
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    return [(w, g) for w, g in zip(group.weights, dws) if g is not None]
 
 
 def _accumulate(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -368,20 +479,24 @@ def stage_backward(
     output_grads: Any,
     input_values: Sequence[Any],
     outputs_with_grads_idxs: list[int] | None = None,
+    *,
+    create_graph: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """Full backward of a stage (B and W together), as upstream's ``stage_backward``.
 
     Accumulates into every weight's ``.grad`` and returns the gradients of
     ``input_values`` (``None`` for non-tensors), clearing the inputs' ``.grad``
     as upstream does. fxsplit-compiled regions run their fused backward.
+    Gradients are checked as in :func:`stage_backward_input`.
     """
+    _refuse_create_graph(create_graph)
     if outputs_with_grads_idxs is not None:
         stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
         output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
     outs, grads_raw = _flatten_outputs(stage_output, output_grads)
-    grads = _check_grads(outs, grads_raw) if outs else []
+    grads = _check_grads(outs, grads_raw)
     if outs:
-        torch.autograd.backward([o for o in outs], grad_tensors=grads)
+        torch.autograd.backward(outs, grad_tensors=grads)
     result: list[torch.Tensor | None] = []
     for v in input_values:
         if isinstance(v, torch.Tensor):

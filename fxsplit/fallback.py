@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -31,7 +30,7 @@ from torch.autograd.graph import GradientEdge, Node
 from fxsplit import _torch_internals as ti
 from fxsplit.runtime import CompiledSplitBackward
 
-__all__ = ["EagerWeightPlan", "gradient_edge", "plan_eager_weight_work"]
+__all__ = ["EagerWeightPlan", "WeightGroup", "gradient_edge", "plan_eager_weight_work"]
 
 
 def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
@@ -76,17 +75,81 @@ def _upward_closure(starts: Iterable[Node], parents: dict[Node, list[Node]]) -> 
     return closure
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightGroup:
+    """Weights W computes in one autograd call, and where that call starts.
+
+    ``intermediates`` and ``roots`` index ``EagerWeightPlan.intermediates``
+    and the stage output edges. Weights share a group only when they share a
+    start, so a call never runs another group's part of the graph.
+    """
+
+    intermediates: tuple[int, ...]
+    roots: tuple[int, ...]
+    weights: tuple[torch.Tensor, ...]
+
+
 @dataclasses.dataclass
 class EagerWeightPlan:
-    """What W must do by running autograd (the non-compiled part of W)."""
+    """What W must do by running autograd (the non-compiled part of W).
+
+    ``intermediates``: B-set nodes whose incoming gradients B saves for W.
+    ``w_roots``: indices of stage output edges W starts from with the output
+    gradients (outputs whose backward is all weight work).
+    ``groups``: one autograd call each in W.
+    ``unreached``: how many of the given weights no stage output depends on.
+    """
 
     intermediates: list[Node]
     w_roots: list[int]  # indices into the stage's output edges
-    eager_weights: list[torch.Tensor]
+    groups: list[WeightGroup] = dataclasses.field(default_factory=list)
+    unreached: int = 0
+
+    @property
+    def eager_weights(self) -> list[torch.Tensor]:
+        return [w for g in self.groups for w in g.weights]
 
     @property
     def empty(self) -> bool:
-        return not self.eager_weights
+        return not self.groups
+
+
+def _group_weights(
+    starts: list[tuple[torch.Tensor, set[Node], set[int]]], index_of: dict[Node, int]
+) -> list[WeightGroup]:
+    """Merge weights whose W starts (intermediates or output edges) overlap."""
+    groups: list[tuple[set[Node], set[int], list[torch.Tensor]]] = []
+    for w, inter, roots in starts:
+        merged = (set(inter), set(roots), [w])
+        keep = []
+        for g in groups:
+            if g[0] & merged[0] or g[1] & merged[1]:
+                merged = (g[0] | merged[0], g[1] | merged[1], g[2] + merged[2])
+            else:
+                keep.append(g)
+        groups = keep + [merged]
+    return [
+        WeightGroup(tuple(sorted(index_of[n] for n in i)), tuple(sorted(r)), tuple(ws)) for i, r, ws in groups
+    ]
+
+
+def _given_and_missing(
+    parents: dict[Node, list[Node]], roots: Sequence[Node], weights: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], int]:
+    """Given weights no output depends on, and the number of ``nn.Parameter`` leaves
+    the outputs depend on that are not among the given weights."""
+    reachable = set(parents) | {r for r in roots if r is not None}
+    given = {id(w) for w in weights}
+    unreached = [
+        w for w in weights if w.requires_grad and gradient_edge(w).node not in reachable
+    ]
+    missing = 0
+    for node in reachable:
+        if ti.is_accumulate_grad(node):
+            var = getattr(node, "variable", None)
+            if isinstance(var, torch.nn.Parameter) and id(var) not in given:
+                missing += 1
+    return unreached, missing
 
 
 def plan_eager_weight_work(
@@ -94,9 +157,21 @@ def plan_eager_weight_work(
     input_nodes: Sequence[Node],
     weights: Sequence[torch.Tensor],
 ) -> EagerWeightPlan:
-    """Find the intermediates and W roots that W needs for weights with an eager path."""
+    """Find the intermediates and W roots that W needs for weights with an eager path.
+
+    Raises ``ValueError`` when the weights look like another module's: some
+    of them are not used by the stage outputs while parameters the outputs
+    do use were not given.
+    """
     roots = [e.node for e in output_edges]
     parents = _reverse_edges(roots)
+    unreached, missing = _given_and_missing(parents, roots, weights)
+    if unreached and missing:
+        raise ValueError(
+            f"fxsplit: {len(unreached)} of the weights given to stage_backward_input are not used by the "
+            f"stage outputs, while {missing} parameter(s) the outputs depend on were not given: the weights "
+            "do not belong to this stage (pass the stage module's parameters)"
+        )
     b_set = _upward_closure(input_nodes, parents)
     root_index: dict[Node, list[int]] = collections.defaultdict(list)
     for k, node in enumerate(roots):
@@ -104,29 +179,32 @@ def plan_eager_weight_work(
 
     intermediates: dict[Node, None] = {}
     w_roots: dict[int, None] = {}
-    eager_weights: list[torch.Tensor] = []
+    starts: list[tuple[torch.Tensor, set[Node], set[int]]] = []
     for w in weights:
-        if not (isinstance(w, torch.Tensor) and w.requires_grad):
+        if not w.requires_grad:
             continue
         w_node = gradient_edge(w).node
         skip_split_regions = isinstance(w, torch.nn.Parameter)
-        found = False
+        inter: dict[Node, None] = {}
+        outs: set[int] = set()
         seen = {w_node}
         queue = collections.deque([w_node])
         while queue:
             node = queue.popleft()
-            for k in root_index.get(node, ()):
-                w_roots[k] = None
-                found = True
+            outs.update(root_index.get(node, ()))
             for p in parents.get(node, ()):
                 if p in b_set:
                     if node is w_node and skip_split_regions and is_split_region(p):
                         continue  # that region's dW graph computes this gradient
-                    intermediates[p] = None
-                    found = True
+                    inter[p] = None
                 elif p not in seen:
                     seen.add(p)
                     queue.append(p)
-        if found:
-            eager_weights.append(w)
-    return EagerWeightPlan(list(intermediates), list(w_roots), eager_weights)
+        if inter or outs:
+            intermediates.update(inter)
+            w_roots.update(dict.fromkeys(sorted(outs)))
+            starts.append((w, set(inter), outs))
+    index_of = {n: k for k, n in enumerate(intermediates)}
+    return EagerWeightPlan(
+        list(intermediates), list(w_roots), _group_weights(starts, index_of), unreached=len(unreached)
+    )

@@ -1,0 +1,404 @@
+"""Upstream ``stage_backward_input``/``stage_backward_weight`` semantics, on an
+eager module and on an fxsplit-compiled one, against plain autograd."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from stage_check import (
+    MODES,
+    assert_grads_equal,
+    clone_input,
+    grads_like,
+    prepare,
+    reference,
+    snapshot_grads,
+)
+
+import fxsplit
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def split(model: nn.Module, mode: str, inputs: list, seed: int = 0):
+    """Forward, then B and W; returns (dinputs, .grad of every parameter after W)."""
+    fn = prepare(model, mode)
+    ins = [clone_input(v) for v in inputs]
+    out = fn(*ins)
+    params = list(model.parameters())
+    before = snapshot_grads(params)
+    dinputs, work = fxsplit.stage_backward_input(out, grads_like(out, seed), ins, params)
+    assert_grads_equal([p.grad for p in params], before)  # B does no weight work
+    fxsplit.stage_backward_weight(params, work)
+    return list(dinputs), [p.grad for p in params]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_b_leaves_weight_grads_and_w_completes_them(mode: str) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 4, requires_grad=True)
+    (ref_din,), ref_dw = reference(model, [x])
+    # Pre-existing .grad on some weights must be kept by B and added to by W.
+    pre = {0: torch.randn(6, 4), 3: torch.randn(3)}
+    params = list(model.parameters())
+    for k, g in pre.items():
+        params[k].grad = g.clone()
+    grad_objects = [p.grad for p in params]
+
+    fn = prepare(model, mode)
+    xi = clone_input(x)
+    out = fn(xi)
+    dinputs, work = fxsplit.stage_backward_input([out], [grads_like(out)], [xi], params)
+    assert all(p.grad is g for p, g in zip(params, grad_objects))  # not even replaced
+    for k, p in enumerate(params):
+        if k in pre:
+            torch.testing.assert_close(p.grad, pre[k])
+        else:
+            assert p.grad is None
+    assert work.pending
+    torch.testing.assert_close(dinputs[0], ref_din[0])
+    torch.testing.assert_close(xi.grad, ref_din[0])  # upstream accumulates dinputs into .grad
+
+    fxsplit.stage_backward_weight(params, work)
+    expected = [r + pre[k] if k in pre else r for k, r in enumerate(ref_dw)]
+    assert_grads_equal([p.grad for p in params], expected)
+    assert not work.pending
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ten_microbatches_accumulate(mode: str) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 4, requires_grad=True)
+    seeds = range(10)
+    ref_dins, ref_dw = reference(model, [x], seeds)
+    fn = prepare(model, mode)
+    params = list(model.parameters())
+    pending = []
+    for s in seeds:  # all B first, then W in reverse order (as a zero-bubble schedule may)
+        xi = clone_input(x * (1 + s / 10))
+        out = fn(xi)
+        dinputs, work = fxsplit.stage_backward_input([out], [grads_like(out, s)], [xi], params)
+        torch.testing.assert_close(dinputs[0], ref_dins[s][0])
+        pending.append(work)
+    assert all(p.grad is None for p in params)
+    for work in reversed(pending):
+        fxsplit.stage_backward_weight(params, work)
+    assert_grads_equal([p.grad for p in params], ref_dw)
+
+
+class TwoHeads(nn.Module):
+    """The stage output, and an auxiliary loss sharing the first layer's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h), h.pow(2).sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retain_graph_on_w(mode: str) -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x = torch.randn(5, 4, requires_grad=True)
+    ref = MLP()
+    ref.a, ref.b = model.a, model.b
+    (ref_din,), ref_dw = reference(ref, [x])
+    fn = prepare(model, mode)
+    params = list(model.parameters())
+    xi = clone_input(x)
+    out, aux = fn(xi)
+    dinputs, work = fxsplit.stage_backward_input([out], [grads_like(out)], [xi], params)
+    fxsplit.stage_backward_weight(params, work, retain_graph=True)
+    torch.testing.assert_close(dinputs[0], ref_din[0])
+    assert_grads_equal([p.grad for p in params], ref_dw)
+    if mode == "eager":
+        # The retained graph below the first layer still serves another backward.
+        aux.backward()
+        expected = torch.autograd.grad(torch.tanh(model.a(x.detach())).pow(2).sum(), model.a.weight)[0]
+        torch.testing.assert_close(model.a.weight.grad, ref_dw[0] + expected)
+
+
+def test_without_retain_graph_w_frees_the_graph() -> None:
+    """The counterpart of test_retain_graph_on_w: W frees what it ran."""
+    model = TwoHeads()
+    x = torch.randn(5, 4, requires_grad=True)
+    out, aux = model(x)
+    params = list(model.parameters())
+    _, work = fxsplit.stage_backward_input([out], [torch.ones_like(out)], [x], params)
+    fxsplit.stage_backward_weight(params, work)
+    with pytest.raises(RuntimeError, match="second time"):
+        aux.backward()
+
+
+class MixedInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, n, flag, y_const, tag):
+        h = self.lin(x) * n + y_const.sum()
+        return h if flag else -h
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_tensor_input_values_get_none(mode: str) -> None:
+    torch.manual_seed(0)
+    model = MixedInputs()
+    inputs = [torch.randn(2, 4, requires_grad=True), 3, True, torch.randn(3), "tag"]
+    ref_dins, ref_dw = reference(model, inputs)
+    dinputs, dw = split(model, mode, inputs)
+    assert dinputs[1:] == [None, None, None, None]
+    torch.testing.assert_close(dinputs[0], ref_dins[0][0])
+    assert_grads_equal(dw, ref_dw)
+
+
+class IdentityView(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+class ViewOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return IdentityView.apply(h), h[:, 2:]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_view_outputs(mode: str) -> None:
+    torch.manual_seed(0)
+    model = ViewOutputs()
+    x = torch.randn(3, 4, requires_grad=True)
+    ref_dins, ref_dw = reference(model, [x])
+    fn = prepare(model, mode)
+    xi = clone_input(x)
+    out = fn(xi)
+    assert out[1]._is_view()
+    params = list(model.parameters())
+    dinputs, work = fxsplit.stage_backward_input(out, grads_like(out), [xi], params)
+    fxsplit.stage_backward_weight(params, work)
+    torch.testing.assert_close(dinputs[0], ref_dins[0][0])
+    assert_grads_equal([p.grad for p in params], ref_dw)
+
+
+class SomeOutputsNeedNoGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor):
+        y = self.lin(x)
+        return y, (y > 0), y.detach() * 2, torch.arange(3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_that_do_not_require_grad(mode: str) -> None:
+    torch.manual_seed(0)
+    model = SomeOutputsNeedNoGrad()
+    x = torch.randn(2, 4, requires_grad=True)
+    ref_dins, ref_dw = reference(model, [x])
+    dinputs, dw = split(model, mode, [x])
+    torch.testing.assert_close(dinputs[0], ref_dins[0][0])
+    assert_grads_equal(dw, ref_dw)
+
+
+class NestedOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor):
+        return {"a": self.a(x), "rest": (self.b(x).relu(), [torch.sigmoid(self.a(x)), 7]), "n": None}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_tuple_and_dict_outputs(mode: str) -> None:
+    torch.manual_seed(0)
+    model = NestedOutputs()
+    x = torch.randn(2, 4, requires_grad=True)
+    ref_dins, ref_dw = reference(model, [x])
+    dinputs, dw = split(model, mode, [x])
+    torch.testing.assert_close(dinputs[0], ref_dins[0][0])
+    assert_grads_equal(dw, ref_dw)
+
+
+class ScaledMatmul(torch.autograd.Function):
+    """x @ w, computing only the gradients ctx.needs_input_grad asks for."""
+
+    computed: list[tuple[bool, bool]] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        gx = g @ w.t() if ctx.needs_input_grad[0] else None
+        gw = x.t() @ g if ctx.needs_input_grad[1] else None
+        ScaledMatmul.computed.append((gx is not None, gw is not None))
+        return gx, gw
+
+
+class UsesNeedsInputGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(ScaledMatmul.apply(x, self.w))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_custom_function_checking_needs_input_grad(mode: str, x_requires_grad: bool) -> None:
+    torch.manual_seed(0)
+    model = UsesNeedsInputGrad()
+    x = torch.randn(2, 4, requires_grad=x_requires_grad)
+    ref_dins, ref_dw = reference(model, [x])
+    ScaledMatmul.computed.clear()
+    dinputs, dw = split(model, mode, [x])
+    assert_grads_equal(dinputs, ref_dins[0])
+    assert_grads_equal(dw, ref_dw)
+    if not x_requires_grad and mode == "eager":
+        assert ScaledMatmul.computed == [(False, True)]
+
+
+class SharedWeight(nn.Module):
+    """``w`` used at an ancestor and at a descendant site, and a shared scale
+    that feeds the weight directly (no per-use node in between)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 5) / 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.mid = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.w) * self.scale
+        h = torch.tanh(self.mid(h))
+        return (h @ self.w) * self.scale
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_shared_at_ancestor_and_descendant(mode: str) -> None:
+    torch.manual_seed(0)
+    model = SharedWeight()
+    x = torch.randn(3, 5, requires_grad=True)
+    ref_dins, ref_dw = reference(model, [x])
+    dinputs, dw = split(model, mode, [x])
+    torch.testing.assert_close(dinputs[0], ref_dins[0][0])
+    assert_grads_equal(dw, ref_dw)
+
+
+class TwoOutputs(torch.autograd.Function):
+    """(x * w, x + w): a node with several outputs; the stage uses only the first."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor):
+        ctx.save_for_backward(x, w)
+        return x * w, x + w
+
+    @staticmethod
+    def backward(ctx, g_mul: torch.Tensor, g_add: torch.Tensor):
+        x, w = ctx.saved_tensors
+        return g_mul * w + g_add, (g_mul * x + g_add).sum(0)
+
+
+class MultiOutputNode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.chunk(self.lin(x), 2, dim=-1)  # b unused: a None gradient into the chunk node
+        y, _unused = TwoOutputs.apply(torch.cat([a, a], dim=-1), self.w)
+        return y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_output_intermediates_and_none_saved_grads(mode: str) -> None:
+    torch.manual_seed(0)
+    model = MultiOutputNode()
+    x = torch.randn(3, 4, requires_grad=True)
+    ref_dins, ref_dw = reference(model, [x])
+    fn = prepare(model, mode)
+    xi = clone_input(x)
+    out = fn(xi)
+    params = list(model.parameters())
+    dinputs, work = fxsplit.stage_backward_input([out], [grads_like(out)], [xi], params)
+    if mode == "eager":
+        saved = [g for g in work.saved_grads if g is not None]
+        assert any(None in g for g in saved), "expected an intermediate with a None saved gradient"
+    fxsplit.stage_backward_weight(params, work)
+    torch.testing.assert_close(dinputs[0], ref_dins[0][0])
+    assert_grads_equal([p.grad for p in params], ref_dw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_released_between_b_and_w(mode: str) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 4, requires_grad=True)
+    (ref_din,), ref_dw = reference(model, [x])
+    fn = prepare(model, mode)
+    xi = clone_input(x)
+    out = fn(xi)
+    params = list(model.parameters())
+    _, work = fxsplit.stage_backward_input([out], [grads_like(out)], [xi], params)
+    out_ref = weakref.ref(out)
+    del out
+    assert out_ref() is None, "B's pending work keeps the stage output alive"
+    fxsplit.stage_backward_weight(params, work)
+    assert_grads_equal([p.grad for p in params], ref_dw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_edge_as_stage_output(mode: str) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 4, requires_grad=True)
+    (ref_din,), ref_dw = reference(model, [x])
+    fn = prepare(model, mode)
+    params = list(model.parameters())
+
+    xi = clone_input(x)
+    out = fn(xi)
+    edge = torch.autograd.graph.get_gradient_edge(out)
+    with pytest.raises(ValueError, match="GradientEdge"):
+        fxsplit.stage_backward_input([edge], None, [xi], params)
+    assert xi.grad is None
+
+    dinputs, work = fxsplit.stage_backward_input([edge], [grads_like(out)], [xi], params)
+    fxsplit.stage_backward_weight(params, work)
+    torch.testing.assert_close(dinputs[0], ref_din[0])
+    assert_grads_equal([p.grad for p in params], ref_dw)

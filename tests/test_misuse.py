@@ -1,0 +1,169 @@
+"""Misuse of the split API fails loudly, before doing anything: every ``.grad``
+and all pending W work stay as they were, and the stage then completes
+correctly. Each case on an eager and on an fxsplit-compiled module."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from stage_check import MODES, assert_grads_equal, clone_input, grads_like, prepare, reference, snapshot_grads
+
+import fxsplit
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@dataclasses.dataclass
+class Scene:
+    """Microbatch 0 after B (its W pending), microbatch 1 after its forward."""
+
+    model: nn.Module
+    params: list[torch.Tensor]
+    work0: fxsplit.PendingWeightGrads
+    x1: torch.Tensor
+    out1: torch.Tensor
+    ref_dins: list
+    ref_dw: list
+    pre: list[torch.Tensor]
+
+    def assert_untouched(self) -> None:
+        assert_grads_equal([p.grad for p in self.params], self.pre)
+        assert self.work0.pending
+        assert self.x1.grad is None
+
+    def finish(self) -> None:
+        """B of microbatch 1 and both Ws: the result must equal plain autograd."""
+        dinputs, work1 = fxsplit.stage_backward_input([self.out1], [grads_like(self.out1, 1)], [self.x1], self.params)
+        torch.testing.assert_close(dinputs[0], self.ref_dins[1][0])
+        fxsplit.stage_backward_weight(self.params, work1)
+        fxsplit.stage_backward_weight(self.params, self.work0)
+        expected = [r + p for r, p in zip(self.ref_dw, self.pre)]
+        assert_grads_equal([p.grad for p in self.params], expected)
+
+
+def scene(mode: str) -> Scene:
+    torch.manual_seed(0)
+    model = Stage()
+    params = list(model.parameters())
+    for p in params:  # gradients of an earlier step, which misuse must not touch
+        p.grad = torch.randn_like(p)
+    pre = snapshot_grads(params)
+    x = torch.randn(5, 4, requires_grad=True)
+    fresh = Stage()
+    fresh.load_state_dict(model.state_dict())
+    ref_dins, ref_dw = reference(fresh, [x], seeds=(0, 1))
+    fn = prepare(model, mode)
+    x0 = clone_input(x)
+    out0 = fn(x0)
+    _, work0 = fxsplit.stage_backward_input([out0], [grads_like(out0, 0)], [x0], params)
+    x1 = clone_input(x * 1.1)
+    out1 = fn(x1)
+    return Scene(model, params, work0, x1, out1, ref_dins, ref_dw, pre)
+
+
+def check(mode: str, misuse: Callable[[Scene], Any], error: type[Exception], match: str) -> None:
+    s = scene(mode)
+    with pytest.raises(error, match=match):
+        misuse(s)
+    s.assert_untouched()
+    s.finish()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_w_without_matching_b(mode: str) -> None:
+    check(mode, lambda s: fxsplit.stage_backward_weight(s.params, [{"params": set(), "intermediates": []}]),
+          TypeError, "no matching B")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_w_twice(mode: str) -> None:
+    s = scene(mode)
+    s.finish()
+    after = snapshot_grads(s.params)
+    with pytest.raises(RuntimeError, match="already ran"):
+        fxsplit.stage_backward_weight(s.params, s.work0)
+    assert_grads_equal([p.grad for p in s.params], after)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_b_twice_on_the_same_outputs(mode: str) -> None:
+    s = scene(mode)
+    dinputs, work1 = fxsplit.stage_backward_input([s.out1], [grads_like(s.out1, 1)], [s.x1], s.params)
+    x1_grad = s.x1.grad.clone()
+    with pytest.raises(RuntimeError, match="already ran"):
+        fxsplit.stage_backward_input([s.out1], [grads_like(s.out1, 1)], [s.x1], s.params)
+    torch.testing.assert_close(s.x1.grad, x1_grad)
+    assert s.work0.pending and work1.pending  # both pending Ws survive the refusal
+    assert_grads_equal([p.grad for p in s.params], s.pre)
+    fxsplit.stage_backward_weight(s.params, work1)
+    fxsplit.stage_backward_weight(s.params, s.work0)
+    assert_grads_equal([p.grad for p in s.params], [r + p for r, p in zip(s.ref_dw, s.pre)])
+
+
+def _b(s: Scene, grads: Any) -> Any:
+    return fxsplit.stage_backward_input([s.out1], grads, [s.x1], s.params)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda o: [torch.ones_like(o), torch.ones_like(o)], "length 1, got list of length 2"),
+        (lambda o: [torch.ones(o.shape[0], o.shape[1] + 1)], r"shape \(5, 4\) but the stage output has shape \(5, 3\)"),
+        (lambda o: [torch.ones_like(o, dtype=torch.float64)], "dtype torch.float64 but the stage output has dtype"),
+        (lambda o: None, "implicit gradient exists only for scalar"),
+    ],
+    ids=["length", "shape", "dtype", "missing"],
+)
+def test_wrong_output_grads(mode: str, bad: Callable, match: str) -> None:
+    check(mode, lambda s: _b(s, bad(s.out1)), ValueError, match)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_of_another_module(mode: str) -> None:
+    other = list(Stage().parameters())
+    check(mode, lambda s: fxsplit.stage_backward_weight(other, s.work0), ValueError, "do not belong")
+    check(mode, lambda s: _b_with(s, other), ValueError, "do not belong to this stage")
+    check(mode, lambda s: fxsplit.stage_backward_weight(s.params[:2], s.work0), ValueError, "2 missing")
+
+
+def _b_with(s: Scene, weights: list) -> Any:
+    return fxsplit.stage_backward_input([s.out1], [grads_like(s.out1, 1)], [s.x1], weights)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_create_graph_is_refused(mode: str) -> None:
+    msg = "not supported through a split backward"
+    check(mode, lambda s: fxsplit.stage_backward_input(
+        [s.out1], [grads_like(s.out1, 1)], [s.x1], s.params, create_graph=True), NotImplementedError, msg)
+    check(mode, lambda s: fxsplit.stage_backward_weight(s.params, s.work0, create_graph=True),
+          NotImplementedError, msg)
+    check(mode, lambda s: fxsplit.stage_backward(s.out1, grads_like(s.out1, 1), [s.x1], create_graph=True),
+          NotImplementedError, msg)
+    # Gradients that require grad ask for a double backward just the same.
+    check(mode, lambda s: _b(s, [grads_like(s.out1, 1).requires_grad_()]), NotImplementedError, msg)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_dinputs_cannot_be_differentiated_again(mode: str) -> None:
+    s = scene(mode)
+    dinputs, work1 = _b(s, [grads_like(s.out1, 1)])
+    assert not dinputs[0].requires_grad  # no graph was built for a second backward
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        dinputs[0].sum().backward()
+    fxsplit.stage_backward_weight(s.params, work1)
+    fxsplit.stage_backward_weight(s.params, s.work0)
+    assert_grads_equal([p.grad for p in s.params], [r + p for r, p in zip(s.ref_dw, s.pre)])
