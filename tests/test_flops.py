@@ -1,0 +1,115 @@
+"""No duplicated work: FLOPs of B and W against ordinary backward.
+
+``torch.utils.flop_counter.FlopCounterMode`` is a dispatch mode: it counts the
+ATen ops that reach the dispatcher. With ``compiler="eager"`` the split FX
+graphs run op by op, so it sees every op. With the real Inductor on CPU it
+sees the matmuls and convolutions, which Inductor calls as extern ATen kernels
+(``extern_kernels.mm`` etc.), but not the fused C++ pointwise kernels, which
+carry no counted FLOPs anyway; one Inductor case checks that. All other cases
+use the eager inner compiler, which is exact and fast.
+
+Only the backward phases run under the counter: a forward run under a
+dispatch mode makes Dynamo run that module eagerly from then on (upstream
+behaviour), which would silently take the compiled region out of the test.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxsplit
+import zoo
+from zoo import Case, clone_inputs, forward, grad_outputs, make_grads
+
+Counts = collections.Counter
+
+
+def flops(fn: Callable[[], Any]) -> Counts:
+    """FLOPs per ATen op (overload packet name) that ``fn`` dispatches."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return Counts({str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items() if n})
+
+
+def compile_split(module: nn.Module, compiler: str = "eager") -> nn.Module:
+    return torch.compile(module, backend=fxsplit.backend(compiler=compiler, fallback="error"))
+
+
+def phase_flops(c: Case, module: nn.Module, cm: nn.Module, inputs: tuple[Any, ...]) -> tuple[Counts, Counts, Counts]:
+    """(ordinary backward, B, W) FLOPs of the compiled module ``cm`` on ``inputs``."""
+    x = clone_inputs(inputs)
+    outs = grad_outputs(forward(c, cm, x))
+    fused = flops(lambda: torch.autograd.backward(outs, make_grads(outs)))
+    for p in module.parameters():
+        p.grad = None
+
+    x = clone_inputs(inputs)
+    outs = grad_outputs(forward(c, cm, x))
+    res: list[Any] = []
+    b = flops(lambda: res.append(fxsplit.stage_backward_input(outs, make_grads(outs), list(x), module.parameters())))
+    (_, work), = res
+    w = flops(lambda: fxsplit.stage_backward_weight(module.parameters(), work))
+    return fused, b, w
+
+
+SUM_CASES = [
+    "linear", "mlp", "layernorm_linear", "attention", "conv_bn", "tied_embedding",
+    "weight_twice", "frozen_params", "multi_io", "checkpoint", "first_stage",
+]
+
+
+@pytest.mark.parametrize("name", SUM_CASES)
+def test_b_plus_w_equals_ordinary_backward(name: str) -> None:
+    c = zoo.case(name)
+    module, inputs = c.make()
+    cm = compile_split(module)
+    fused, b, w = phase_flops(c, module, cm, inputs)
+    assert sum(fused.values()) > 0, "the counter saw nothing; the test would be vacuous"
+    assert b + w == fused, f"B={dict(b)} W={dict(w)} ordinary={dict(fused)}"
+    if "first_stage" in c.flags:
+        assert not b, f"a first stage's B must do no work, did {dict(b)}"
+
+
+NO_DW_IN_B_CASES = ["linear", "mlp", "layernorm_linear", "attention", "conv_bn", "tied_embedding", "weight_twice"]
+
+
+@pytest.mark.parametrize("name", NO_DW_IN_B_CASES)
+def test_b_does_only_input_gradient_work(name: str) -> None:
+    """B's FLOPs equal eager autograd's for the input gradients alone (every
+    weight frozen, so eager autograd does no weight-gradient work at all)."""
+    c = zoo.case(name)
+    module, inputs = c.make()
+    frozen = copy.deepcopy(module).requires_grad_(False)
+    x = clone_inputs(inputs)
+    outs = grad_outputs(forward(c, frozen, x))
+    wanted = [t for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = make_grads(outs)
+    expected = flops(lambda: torch.autograd.grad(outs, wanted, grads))
+    assert sum(expected.values()) > 0
+
+    _, b, w = phase_flops(c, module, compile_split(module), inputs)
+    assert b == expected, f"B={dict(b)}, input-gradient work only={dict(expected)}"
+    assert sum(w.values()) > 0
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_mlp_flops_by_hand(compiler: str) -> None:
+    """MLP d=8 -> h=32 -> d=8 on a batch of n=4: each of the four backward
+    matmuls ([n,d]x[d,h]-sized) costs 2*n*d*h FLOPs. B does exactly the two dX
+    matmuls, W exactly the two dW matmuls."""
+    c = zoo.case("mlp")
+    module, inputs = c.make()
+    n, d, h = 4, 8, 32
+    one = 2 * n * d * h
+    fused, b, w = phase_flops(c, module, compile_split(module, compiler), inputs)
+    assert fused == Counts({"aten.mm": 4 * one})
+    assert b == Counts({"aten.mm": 2 * one})
+    assert w == Counts({"aten.mm": 2 * one})
