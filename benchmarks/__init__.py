@@ -1,0 +1,1 @@
+"""Benchmarks of fxsplit: ``fxsplit bench`` (see :mod:`benchmarks.bench`) and its models."""

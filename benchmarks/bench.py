@@ -1,0 +1,751 @@
+"""Compiled-vs-eager benchmark of the split backward: the README's main job.
+
+One run measures six ways of running the backward of one pipeline stage,
+side by side, on the same weights and inputs:
+
+1. ``eager``: eager module, ordinary backward;
+2. ``eager+upstream``: eager module, upstream eager split
+   (``torch.distributed.pipelining._backward.stage_backward_input`` then
+   ``stage_backward_weight``);
+3. ``inductor``: ``torch.compile(backend="inductor")``, ordinary backward
+   (the reference the other modes are compared with);
+4. ``inductor+upstream``: the same compiled module with the upstream split.
+   With AOTAutograd's default ``donated_buffer=True`` it fails (the error is
+   recorded); it is measured on a module compiled and run with
+   ``torch._functorch.config.donated_buffer=False`` (the config is read when
+   the backward is compiled and again when it runs, so every call of this
+   mode is made under the patch);
+5. ``fxsplit``: ``backend=fxsplit.backend()``, ordinary backward;
+6. ``fxsplit+split``: the same module with ``fxsplit.stage_backward_input``
+   then ``fxsplit.stage_backward_weight``.
+
+How each figure is taken (also stored in the JSON under ``methods``):
+
+* times: each repetition runs forward, then B and W (split modes) or the
+  ordinary backward, with a clock read between phases: ``time.perf_counter``
+  on CPU (what ``torch.utils.benchmark.Timer`` uses), CUDA events on CUDA.
+  B and W cannot be timed by ``Timer`` on their own since each needs a fresh
+  forward. Repetitions of the six modes are interleaved round-robin, so
+  background load hits all modes alike; warm-up repetitions are dropped and
+  medians (and IQRs) come from ``torch.utils.benchmark.Measurement``.
+* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` over B, W and the
+  ordinary backward. A dispatch mode cannot see inside a fused Inductor
+  kernel, so for the compiled modes FLOPs are counted on the very FX graphs
+  Inductor compiles (Inductor's decompositions and partitioner, run op by op
+  via ``fxsplit.backend(compiler="eager")``); what the counter observes in
+  the real compiled run is stored too (``flops_observed``).
+* held between B and W: the allocator-level growth of live memory from
+  before the forward to after B, with the stage output, the returned input
+  gradients and the input's ``.grad`` dropped (parameters' ``.grad`` already
+  exist, so W allocates nothing lasting). On CUDA from
+  ``torch.cuda.memory_allocated``; on CPU from the CPU allocator's
+  allocation and free events recorded by ``torch.profiler`` with
+  ``profile_memory=True``. The declared figure is stored next to it:
+  ``PendingWeightGrads.live_in_bytes`` (fxsplit) or the bytes of the
+  gradients saved in upstream's ``param_groups``; the measured one also
+  counts the activations autograd keeps alive for W.
+* peak: highest live memory above the pre-forward level during one
+  forward + backward (B + W); ``torch.cuda.max_memory_allocated`` on CUDA,
+  the same profiler allocation events on CPU.
+* compile: wall time of the first forward + backward of a compiled module
+  (Dynamo, AOTAutograd, Inductor codegen and C/C++ or Triton compile), in a
+  fresh Inductor cache of its own unless ``--warm-cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import copy
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.benchmark import Measurement
+from torch.utils.benchmark.utils.common import TaskSpec
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxsplit
+from benchmarks.models import MODELS, ModelConfig, Stage, build
+
+log = logging.getLogger("fxsplit")
+
+__all__ = ["BenchSettings", "MODE_KEYS", "build_parser", "main", "run", "format_table"]
+
+SCHEMA_VERSION = 1
+MODE_KEYS = ("eager", "eager+upstream", "inductor", "inductor+upstream", "fxsplit", "fxsplit+split")
+REFERENCE = "inductor"
+TARGETS = {
+    "split_backward_vs_inductor": "fxsplit B+W total <= 1.05 x inductor ordinary backward",
+    "duplicated_flops": "fxsplit split duplicates 0% of the backward FLOPs",
+    "speedup_vs_inductor_upstream": "fxsplit split backward >= 1.5 x faster than inductor + upstream split",
+}
+
+
+# -- private torch APIs the benchmark compares against, in one place ---------
+def _upstream() -> Any:
+    """``torch.distributed.pipelining._backward``: the eager split that pipelining schedules use today."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward
+
+
+def _donated_buffer(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """``torch._functorch.config.donated_buffer``: read when AOTAutograd compiles the backward and when it runs."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(donated_buffer=enabled)
+
+
+def _fresh_inductor_cache() -> contextlib.AbstractContextManager[None]:
+    """``torch._inductor.utils.fresh_cache``: a temporary cache dir and cleared in-process caches."""
+    from torch._inductor.utils import fresh_cache
+
+    return fresh_cache()
+
+
+# -- settings ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    """What to run. ``reps`` is a cap; ``min_time_s`` is the time per mode the
+    repetition count aims for (within ``min_reps`` .. ``reps``)."""
+
+    model: ModelConfig
+    device: str = "cpu"
+    dtype: str = "float32"
+    warmup: int = 2
+    min_reps: int = 5
+    reps: int = 30
+    min_time_s: float = 2.0
+    warm_cache: bool = False
+    quick: bool = False
+    out: Path | None = None
+    chart: bool = True
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_SIZES = {
+    "gpt": dict(batch=4, seq=128, layers=2, dim=256, heads=4),
+    "mlp": dict(batch=8, seq=64, layers=4, dim=256),
+    "conv": dict(batch=4, seq=16, layers=3, dim=32),
+}
+_QUICK_SIZES = {
+    "gpt": dict(batch=1, seq=16, layers=1, dim=32, heads=2),
+    "mlp": dict(batch=1, seq=16, layers=1, dim=32),
+    "conv": dict(batch=1, seq=8, layers=1, dim=8),
+}
+
+
+def build_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Time, count FLOPs and measure memory of the backward of one pipeline stage in six modes: "
+        "eager / Inductor / fxsplit, each with an ordinary backward and with a B/W split.",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--model", default="gpt", choices=sorted(MODELS), help="default: gpt (a GPT-style middle stage)")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None, help="sequence length (gpt, mlp) or image side (conv)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--dim", type=int, default=None, help="model width (channels for conv)")
+    p.add_argument("--embedding", action="store_true",
+                   help="gpt only: a first stage (embeddings + blocks) fed token ids; B then has no input "
+                   "gradient to compute")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions and shared Inductor caches (a smoke test, not a benchmark)")
+    p.add_argument("--reps", type=int, default=None, help="most timed repetitions per mode")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="use the normal Inductor caches (compile times then include cache hits)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/<device>.json)")
+    p.add_argument("--no-chart", action="store_true", help="do not draw the PNG chart")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    sizes = dict((_QUICK_SIZES if args.quick else _DEFAULT_SIZES)[args.model])
+    for k in ("batch", "seq", "layers", "dim"):
+        v = getattr(args, k)
+        if v is not None:
+            if v <= 0:
+                raise SystemExit(f"fxsplit bench: --{k} must be positive, got {v}")
+            sizes[k] = v
+    if args.embedding and args.model != "gpt":
+        raise SystemExit("fxsplit bench: --embedding applies to --model gpt only")
+    cfg = ModelConfig(name=args.model, embedding=args.embedding, **sizes)
+    timing = dict(warmup=1, min_reps=3, reps=3, min_time_s=0.0) if args.quick else {}
+    if args.reps is not None:
+        timing.update(reps=args.reps, min_reps=min(args.reps, timing.get("min_reps", 5)))
+    return BenchSettings(
+        model=cfg, device=device, dtype=dtype, warm_cache=args.warm_cache or args.quick, quick=args.quick,
+        out=args.out, chart=not args.no_chart, **timing,
+    )
+
+
+# -- modes -----------------------------------------------------------------
+@dataclasses.dataclass
+class Mode:
+    """One way of running a stage: a module and how its backward is run."""
+
+    key: str
+    label: str
+    module: torch.nn.Module
+    split: str | None  # None (ordinary backward), "upstream" or "fxsplit"
+    context: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    compiled: str | None = None  # name of the compiled module this mode shares
+    flops_module: torch.nn.Module | None = None  # runs the same graphs op by op (compiled modes)
+
+
+@dataclasses.dataclass
+class StepResult:
+    times: dict[str, float]  # seconds per phase: forward and B, W or backward
+    held: Any = None  # PendingWeightGrads / param_groups, only while measuring memory
+
+
+class _Clock:
+    """Phase timestamps: CUDA events on CUDA, ``time.perf_counter`` otherwise."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]
+        return [b - a for a, b in itertools.pairwise(self.marks)]
+
+
+def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(module.parameters())
+
+
+def _backward_phases(
+    mode: Mode, module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor,
+    between: Callable[[str], None] = lambda phase: None,
+    on_pending: Callable[[Any], None] = lambda pending: None,
+) -> None:
+    """Forward then backward of ``module`` as ``mode`` runs it, calling
+    ``between(phase)`` after each phase ("forward", "B", "W" or "backward").
+    Returns nothing held: everything B left for W has been consumed."""
+    inputs = [x]
+    with mode.context():
+        out = module(x)
+        between("forward")
+        if mode.split is None:
+            torch.autograd.backward([out], [grad])
+            del out
+            between("backward")
+            return None
+        params = _params(module)
+        if mode.split == "upstream":
+            up = _upstream()
+            dinputs, pending = up.stage_backward_input([out], [grad], inputs, iter(params))
+        else:
+            dinputs, pending = fxsplit.stage_backward_input([out], [grad], inputs, params)
+        del out, dinputs
+        x.grad = None
+        on_pending(pending)
+        between("B")
+        if mode.split == "upstream":
+            _upstream().stage_backward_weight(iter(params), pending)
+        else:
+            fxsplit.stage_backward_weight(params, pending)
+        del pending
+        between("W")
+    return None
+
+
+def _timed_step(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device) -> dict[str, float]:
+    x = stage.make_input()
+    clock = _Clock(device)
+    phases: list[str] = []
+
+    def between(phase: str) -> None:
+        clock.mark()
+        phases.append(phase)
+
+    clock.mark()
+    _backward_phases(mode, mode.module, x, grad, between)
+    return dict(zip(phases, clock.intervals()))
+
+
+def _held_declared(mode: Mode, pending: Any) -> int:
+    if mode.split == "fxsplit":
+        return int(pending.live_in_bytes)
+    total = 0
+    for group in pending:
+        for grads in group.get("grads") or ():
+            for g in grads or ():
+                if isinstance(g, torch.Tensor):
+                    total += g.numel() * g.element_size()
+    return total
+
+
+# -- memory ----------------------------------------------------------------
+class _MemoryMeter:
+    """Live allocator bytes above the level at the start of a window: the peak
+    within the window and the level at named marks.
+
+    CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated``. CPU: the
+    allocation (+bytes) and free (-bytes) events the CPU allocator reports to
+    ``torch.profiler`` with ``profile_memory=True``, summed in time order; a
+    mark is a ``record_function`` event placed on the same clock. (Frees of
+    blocks allocated before the window are not reported, which can only make
+    the CPU figures higher, never lower.)
+    """
+
+    _PREFIX = "fxsplit_bench::"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self.levels: dict[str, int] = {}
+        self._base = 0
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[_MemoryMeter]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield self
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield self
+        events = list(prof.profiler.kineto_results.events())
+        mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+        times = [e.start_ns() for e in mem]
+        running = list(itertools.accumulate((e.nbytes() for e in mem), initial=0))
+        self.peak = max(running)
+        for e in events:
+            if e.name().startswith(self._PREFIX):
+                self.levels[e.name()[len(self._PREFIX):]] = running[bisect.bisect_left(times, e.start_ns())]
+
+    def mark(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.levels[name] = torch.cuda.memory_allocated(self.device) - self._base
+        else:
+            with torch.profiler.record_function(self._PREFIX + name):
+                pass
+
+
+def _measure_memory(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device) -> dict[str, int | None]:
+    """Peak over forward + backward; for split modes also what is held between B and W."""
+    meter = _MemoryMeter(device)
+    x = stage.make_input()
+    declared: list[int] = []
+
+    def between(phase: str) -> None:
+        if phase == "B":
+            meter.mark("B")
+
+    with meter.window():
+        _backward_phases(mode, mode.module, x, grad, between, on_pending=lambda p: declared.append(_held_declared(mode, p)))
+    if mode.split is None:
+        return {"peak_bytes": meter.peak, "held_bytes": None, "held_bytes_declared": None}
+    return {"peak_bytes": meter.peak, "held_bytes": meter.levels["B"], "held_bytes_declared": declared[0]}
+
+
+# -- FLOPs -----------------------------------------------------------------
+def _count_flops(mode: Mode, module: torch.nn.Module, stage: Stage, grad: torch.Tensor) -> dict[str, int | None]:
+    """FLOPs of B, W (split modes) and of the whole backward, as FlopCounterMode sees them."""
+    counts: dict[str, int | None] = {"B": None, "W": None}
+    x = stage.make_input()
+    params = _params(module)
+    with mode.context():
+        out = module(x)
+        if mode.split is None:
+            with FlopCounterMode(display=False) as fc:
+                torch.autograd.backward([out], [grad])
+            counts["backward"] = fc.get_total_flops()
+            return counts
+        with FlopCounterMode(display=False) as fb:
+            if mode.split == "upstream":
+                _, pending = _upstream().stage_backward_input([out], [grad], [x], iter(params))
+            else:
+                _, pending = fxsplit.stage_backward_input([out], [grad], [x], params)
+        del out
+        with FlopCounterMode(display=False) as fw:
+            if mode.split == "upstream":
+                _upstream().stage_backward_weight(iter(params), pending)
+            else:
+                fxsplit.stage_backward_weight(params, pending)
+    counts["B"], counts["W"] = fb.get_total_flops(), fw.get_total_flops()
+    counts["backward"] = counts["B"] + counts["W"]
+    return counts
+
+
+# -- the run ---------------------------------------------------------------
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine() or "cpu"
+
+
+def _slug(text: str) -> str:
+    text = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", " ", text.lower())
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")[:60] or "unknown"
+
+
+def default_out_path(device: torch.device, model: ModelConfig) -> Path:
+    """``benchmarks/results/<device>[-<model>].json`` (the model only when it is not the default gpt)."""
+    stem = f"{device.type}-{_slug(_device_name(device))}"
+    if model.name != "gpt" or model.embedding:
+        stem += f"-{model.name}" + ("-embedding" if model.embedding else "")
+    return Path(__file__).resolve().parent / "results" / f"{stem}.json"
+
+
+def _first_step(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device, fresh: bool) -> float:
+    """Compile (on first call) and run one step; returns its wall time in seconds."""
+    ctx = contextlib.nullcontext() if not fresh else _fresh_inductor_cache()
+    with ctx:
+        _sync(device)
+        t0 = time.perf_counter()
+        _backward_phases(mode, mode.module, stage.make_input(), grad)
+        _sync(device)
+        return time.perf_counter() - t0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _default_config_failure(module: torch.nn.Module, stage: Stage, grad: torch.Tensor) -> str | None:
+    """Run the upstream split on a module compiled with AOTAutograd's default
+    config; return the error message (None if it did not fail)."""
+    x = stage.make_input()
+    out = module(x)
+    try:
+        dinputs, pending = _upstream().stage_backward_input([out], [grad], [x], module.parameters())
+        _upstream().stage_backward_weight(module.parameters(), pending)
+    except Exception as e:  # the failure is the result
+        root = e
+        while root.__cause__ is not None:
+            root = root.__cause__
+        return f"{type(root).__name__}: {str(root).strip()}"
+    return None
+
+
+def _stats(times: list[float], key: str, phase: str) -> dict[str, float]:
+    m = Measurement(
+        number_per_run=1, raw_times=times,
+        task_spec=TaskSpec(stmt=phase, setup="", label="fxsplit bench", sub_label=key, description=phase),
+    )
+    return {"median_ms": m.median * 1e3, "iqr_ms": m.iqr * 1e3, "n": len(times)}
+
+
+def run(settings: BenchSettings, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark; returns the result dict that is written as JSON."""
+    wall0 = time.perf_counter()
+    device = torch.device(settings.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("fxsplit bench: --device cuda given but CUDA is not available")
+    dtype = _DTYPES[settings.dtype]
+    stage = build(settings.model, device, dtype)
+    base = stage.module
+    with torch.no_grad():
+        probe = base(stage.make_input())
+    grad = torch.randn_like(probe)
+    del probe
+    n_params = sum(p.numel() for p in base.parameters())
+    echo(f"fxsplit bench: {stage.description}; {n_params / 1e6:.2f} M parameters; {settings.model.as_dict()}; "
+         f"{settings.dtype} on {_device_name(device)} ({device.type}); torch {torch.__version__}")
+
+    def copy_of() -> torch.nn.Module:
+        return copy.deepcopy(base)
+
+    inductor = torch.compile(copy_of(), backend="inductor")
+    # Dynamo shares compiled code between torch.compile calls whose backends
+    # compare equal, and two backend="inductor" calls with the same options do:
+    # a (default-valued) option keeps this module's compile its own.
+    with _donated_buffer(False):
+        inductor_nodonate = torch.compile(copy_of(), backend="inductor", options={"trace.enabled": False})
+    fx = torch.compile(copy_of(), backend=fxsplit.backend())
+    fx_graphs = torch.compile(copy_of(), backend=fxsplit.backend(compiler="eager"))
+    nodonate = lambda: _donated_buffer(False)  # noqa: E731
+    modes = [
+        Mode("eager", "eager, ordinary backward", base, None),
+        Mode("eager+upstream", "eager + upstream split", copy_of(), "upstream"),
+        Mode("inductor", "inductor, ordinary backward", inductor, None, compiled="inductor", flops_module=fx_graphs),
+        Mode("inductor+upstream", "inductor + upstream split (donated_buffer=False)", inductor_nodonate, "upstream",
+             context=nodonate, compiled="inductor (donated_buffer=False)", flops_module=fx_graphs),
+        Mode("fxsplit", "fxsplit, ordinary backward", fx, None, compiled="fxsplit", flops_module=fx_graphs),
+        Mode("fxsplit+split", "fxsplit split (B, then W)", fx, "fxsplit", compiled="fxsplit", flops_module=fx_graphs),
+    ]
+    assert tuple(m.key for m in modes) == MODE_KEYS
+
+    # 1. compile (first call) and warm up
+    compile_s: dict[str, float] = {}
+    for mode in modes:
+        if mode.compiled is not None and mode.compiled not in compile_s:
+            echo(f"  compiling {mode.compiled} ...")
+            compile_s[mode.compiled] = _first_step(mode, stage, grad, device, fresh=not settings.warm_cache)
+            echo(f"    {compile_s[mode.compiled]:.1f} s (first forward + backward)")
+    default_error = _default_config_failure(inductor, stage, grad)
+    if default_error is None:
+        echo("  note: the upstream split on the default-config inductor module did NOT fail")
+    # the FLOP-counting twin runs eagerly; its compile is not reported
+    _backward_phases(modes[2], fx_graphs, stage.make_input(), grad)
+    step_s: dict[str, float] = {}
+    for mode in modes:
+        for _ in range(settings.warmup):
+            t = _timed_step(mode, stage, grad, device)
+        step_s[mode.key] = sum(t.values()) if settings.warmup else 0.0
+
+    # 2. timed repetitions, interleaved round-robin
+    want = {
+        k: max(settings.min_reps, min(settings.reps, math.ceil(settings.min_time_s / max(s, 1e-6))))
+        for k, s in step_s.items()
+    }
+    echo(f"  timing: {', '.join(f'{k} x{n}' for k, n in want.items())}")
+    samples: dict[str, dict[str, list[float]]] = {m.key: {} for m in modes}
+    for r in range(max(want.values())):
+        for mode in modes:
+            if r < want[mode.key]:
+                for phase, t in _timed_step(mode, stage, grad, device).items():
+                    samples[mode.key].setdefault(phase, []).append(t)
+
+    # 3. memory and FLOPs (untimed)
+    results = []
+    for mode in modes:
+        s = samples[mode.key]
+        timing = {ph: _stats(v, mode.key, ph) for ph, v in s.items()}
+        bwd = [b + w for b, w in zip(s["B"], s["W"])] if mode.split else s["backward"]
+        timing["total_backward"] = _stats(bwd, mode.key, "B+W" if mode.split else "backward")
+        mem = _measure_memory(mode, stage, grad, device)
+        flops = _count_flops(mode, mode.module if mode.flops_module is None else mode.flops_module, stage, grad)
+        observed = _count_flops(mode, mode.module, stage, grad) if mode.flops_module is not None else None
+        results.append({
+            "key": mode.key,
+            "label": mode.label,
+            "split": mode.split,
+            "forward_ms": timing["forward"]["median_ms"],
+            "b_ms": timing["B"]["median_ms"] if mode.split else None,
+            "w_ms": timing["W"]["median_ms"] if mode.split else None,
+            "backward_ms": timing["total_backward"]["median_ms"],
+            "timing": timing,
+            "flops": flops,
+            "flops_observed": observed,
+            "flops_method": "op by op on the Inductor-input FX graphs (fxsplit compiler='eager')"
+            if mode.flops_module is not None else "FlopCounterMode over the eager run",
+            **mem,
+            "compile_s": compile_s.get(mode.compiled) if mode.compiled else None,
+            "compiled_module": mode.compiled,
+        })
+
+    ref = next(r for r in results if r["key"] == REFERENCE)
+    for r in results:
+        r["ratio_to_inductor"] = r["backward_ms"] / ref["backward_ms"]
+        r["duplicated_flops_pct"] = 100.0 * (r["flops"]["backward"] - ref["flops"]["backward"]) / ref["flops"]["backward"]
+    by = {r["key"]: r for r in results}
+    by["inductor+upstream"]["default_config_error"] = default_error
+    targets = _targets(by)
+
+    result = {
+        "schema": SCHEMA_VERSION,
+        "device": {"type": device.type, "name": _device_name(device), "torch_threads": torch.get_num_threads(),
+                   "cpu_count": os.cpu_count()},
+        "dtype": settings.dtype,
+        "torch_version": torch.__version__,
+        "fxsplit_version": fxsplit.__version__,
+        "python": platform.python_version(),
+        "model": {**settings.model.as_dict(), "description": stage.description, "parameters": n_params},
+        "settings": {"warmup": settings.warmup, "min_reps": settings.min_reps, "reps": settings.reps,
+                     "min_time_s": settings.min_time_s, "warm_cache": settings.warm_cache, "quick": settings.quick},
+        "reference": REFERENCE,
+        "modes": results,
+        "mode4_default_config_error": default_error,
+        "targets": targets,
+        "methods": _methods(device),
+    }
+    result["wall_s"] = time.perf_counter() - wall0
+    return result
+
+
+def _targets(by: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    split, ref, up = by["fxsplit+split"], by["inductor"], by["inductor+upstream"]
+    ratio = split["backward_ms"] / ref["backward_ms"]
+    dup = split["duplicated_flops_pct"]
+    speedup = up["backward_ms"] / split["backward_ms"]
+    return {
+        "split_backward_vs_inductor": {"target": "<= 1.05", "measured": ratio, "pass": ratio <= 1.05,
+                                       "what": TARGETS["split_backward_vs_inductor"]},
+        "duplicated_flops": {"target": "0 %", "measured": dup, "pass": abs(dup) < 1e-9,
+                             "what": TARGETS["duplicated_flops"]},
+        "speedup_vs_inductor_upstream": {"target": ">= 1.5", "measured": speedup, "pass": speedup >= 1.5,
+                                         "what": TARGETS["speedup_vs_inductor_upstream"]},
+    }
+
+
+def _methods(device: torch.device) -> dict[str, str]:
+    cpu = device.type != "cuda"
+    return {
+        "timing": ("time.perf_counter between phases" if cpu else "CUDA events between phases")
+        + "; repetitions of all modes interleaved round-robin; warm-up excluded; median via "
+        "torch.utils.benchmark.Measurement",
+        "flops": "FlopCounterMode; compiled modes counted op by op on the FX graphs Inductor compiles "
+        "(fxsplit.backend(compiler='eager'): same decompositions and partitioner); flops_observed is what "
+        "the counter sees in the real compiled run (only kernels Inductor leaves to ATen, e.g. mm on CPU)",
+        "duplicated_flops_pct": "100 * (backward FLOPs of the mode - inductor's ordinary backward FLOPs) / inductor's",
+        "held_bytes": ("CPU allocator events from torch.profiler(profile_memory=True)" if cpu
+                       else "torch.cuda.memory_allocated")
+        + ": live bytes after B minus before the forward, with the stage output, returned input grads and the "
+        "input's .grad dropped (parameters' .grad already allocated)",
+        "held_bytes_declared": "fxsplit: PendingWeightGrads.live_in_bytes; upstream: bytes of the gradients "
+        "saved in param_groups (the activations autograd keeps for W are not in it)",
+        "peak_bytes": ("CPU allocator events from torch.profiler(profile_memory=True)" if cpu
+                       else "torch.cuda.max_memory_allocated")
+        + ": highest live bytes above the pre-forward level during forward + backward",
+        "compile_s": "wall time of the first forward + backward (Dynamo + AOTAutograd + Inductor), each compiled "
+        "module in a fresh Inductor cache unless --warm-cache; fxsplit compiles forward, dI, dW and the fused backward",
+    }
+
+
+# -- output ----------------------------------------------------------------
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable table printed on stdout."""
+    head = ("mode", "fwd ms", "B ms", "W ms", "bwd ms", "x ind", "B GFLOP", "W GFLOP", "bwd GFLOP", "dup %",
+            "held MB", "peak MB", "compile s")
+    rows = []
+    for k, r in enumerate(result["modes"], 1):
+        f = r["flops"]
+        g = lambda v: None if v is None else v / 1e9  # noqa: E731
+        mb = lambda v: None if v is None else v / 2**20  # noqa: E731
+        rows.append((
+            f"{k} {r['key']}", _fmt(r["forward_ms"], ".2f"), _fmt(r["b_ms"], ".2f"), _fmt(r["w_ms"], ".2f"),
+            _fmt(r["backward_ms"], ".2f"), _fmt(r["ratio_to_inductor"], ".2f"), _fmt(g(f["B"]), ".3f"),
+            _fmt(g(f["W"]), ".3f"), _fmt(g(f["backward"]), ".3f"), _fmt(r["duplicated_flops_pct"], ".1f"),
+            _fmt(mb(r["held_bytes"]), ".2f"), _fmt(mb(r["peak_bytes"]), ".2f"), _fmt(r["compile_s"], ".1f"),
+        ))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
+    m = result["model"]
+    out = [
+        f"device: {result['device']['name']} ({result['device']['type']}, {result['device']['torch_threads']} "
+        f"threads)  dtype: {result['dtype']}  torch {result['torch_version']}",
+        f"model: {m['name']} ({m['description']}), batch={m['batch']} seq={m['seq']} layers={m['layers']} "
+        f"dim={m['dim']}, {m['parameters'] / 1e6:.2f} M params",
+        line(head), line(["-" * w for w in widths]), *map(line, rows),
+        "",
+        "x ind: total backward time / inductor's ordinary backward (mode 3). dup %: backward FLOPs above mode 3's.",
+        "held MB: live memory kept from the end of B until W. Compiled modes' FLOPs: counted on the graphs "
+        "Inductor compiles.",
+    ]
+    err = result["mode4_default_config_error"]
+    out.append("mode 4 with AOTAutograd defaults: " + (f"FAILS: {err}" if err else "did not fail")
+               + "; measured above with donated_buffer=False.")
+    for name, t in result["targets"].items():
+        mv = t["measured"]
+        shown = f"{mv:.3f}" + (" %" if name == "duplicated_flops" else " x")
+        out.append(f"target {'PASS' if t['pass'] else 'MISS'}: {t['what']} (measured {shown})")
+    if m.get("embedding"):
+        out.append("note: a first stage's input needs no gradient, so upstream's split finds no intermediates and "
+                   "its W computes no weight gradients (modes 2 and 4 do less work than a full backward).")
+    if result["device"]["type"] == "cpu":
+        out.append("CPU timings depend on load from other processes; rerun on an idle machine for final figures.")
+    return "\n".join(out)
+
+
+def draw_chart(result: dict[str, Any], path: Path) -> bool:
+    """A PNG of the per-phase times and the memory figures; False (with a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'fxsplit[plot]'); skipping the chart")
+        return False
+    modes = result["modes"]
+    names = [f"{k}. {r['key']}" for k, r in enumerate(modes, 1)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    bottoms = [0.0] * len(modes)
+    for phase, color in (("forward", "#9aa5b1"), ("B", "#3b82f6"), ("W", "#f59e0b"), ("backward", "#10b981")):
+        vals = [r["timing"].get(phase, {}).get("median_ms", 0.0) for r in modes]
+        ax1.barh(names, vals, left=bottoms, color=color, label=phase)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax1.invert_yaxis()
+    ax1.set_xlabel("median ms per step")
+    ax1.legend(loc="lower right")
+    ax1.set_title("time per phase")
+    held = [(r["held_bytes"] or 0) / 2**20 for r in modes]
+    peak = [(r["peak_bytes"] or 0) / 2**20 for r in modes]
+    ys = range(len(modes))
+    ax2.barh([y - 0.2 for y in ys], peak, height=0.4, color="#6366f1", label="peak")
+    ax2.barh([y + 0.2 for y in ys], held, height=0.4, color="#ef4444", label="held B -> W")
+    ax2.set_yticks(list(ys), names)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("MiB above the pre-forward level")
+    ax2.legend(loc="lower right")
+    ax2.set_title("memory")
+    fig.suptitle(f"fxsplit bench: {result['model']['name']}, {result['dtype']}, {result['device']['name']}, "
+                 f"torch {result['torch_version']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "fxsplit bench") -> int:
+    """Entry point of ``fxsplit bench``: run, print the table, write JSON (and a PNG chart)."""
+    args = build_parser(prog).parse_args(argv)
+    settings = settings_from_args(args)
+    result = run(settings)
+    print()
+    print(format_table(result))
+    out = settings.out or default_out_path(torch.device(settings.device), settings.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"\nwrote {out}")
+    if settings.chart and draw_chart(result, out.with_suffix(".png")):
+        print(f"wrote {out.with_suffix('.png')}")
+    print(f"wall time {result['wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m benchmarks.bench"))
