@@ -45,6 +45,10 @@ Using it with the upstream schedules:
       for block in stage_module.blocks:                  # per block
           block.compile(backend=fxsplit.backend())
 
+* Compile in place only modules of your own classes: Dynamo does not trace a
+  root frame inside ``torch.nn``, so ``nn.Sequential(...).compile()`` or
+  ``nn.Linear(...).compile()`` silently stays eager (upstream behaviour).
+  :class:`PipelineStage` logs a warning when it finds such a module.
 * Pass the *same* (in-place compiled) module to :class:`PipelineStage`.
 * DDP/FSDP-wrapped stage modules are not supported: fxsplit writes weight
   gradients into ``.grad`` itself, so their gradient hooks would not fire.
@@ -80,6 +84,16 @@ def _is_data_parallel_wrapper(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _builtin_modules_compiled_in_place(module: torch.nn.Module) -> list[str]:
+    """Names of submodules of built-in ``torch.nn`` classes that ``.compile()`` was
+    called on: Dynamo skips their frames, so they run eagerly."""
+    return [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if getattr(m, "_compiled_call_impl", None) is not None and type(m).__module__.startswith("torch.nn.")
+    ]
+
+
 class PipelineStage(_UpstreamPipelineStage):
     """``torch.distributed.pipelining.PipelineStage`` with fxsplit's B/W split.
 
@@ -108,6 +122,14 @@ class PipelineStage(_UpstreamPipelineStage):
             raise ValueError(
                 "fxsplit.pipelining.PipelineStage: dw_builder replaces the B/W split with your own W runner; "
                 "use torch.distributed.pipelining.PipelineStage for that"
+            )
+        skipped = _builtin_modules_compiled_in_place(submodule)
+        if skipped:
+            log.warning(
+                "fxsplit.pipelining.PipelineStage: .compile() was called on built-in torch.nn module(s) %s; "
+                "Dynamo does not trace those in place, so they run eagerly (the eager split still applies). "
+                "Compile modules of your own classes instead (e.g. each transformer block).",
+                ", ".join(skipped),
             )
         super().__init__(submodule, *args, **kwargs)
 

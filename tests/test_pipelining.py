@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+import fxsplit
+
 sys.path.insert(0, os.path.dirname(__file__))
 import pipeline_harness as harness  # noqa: E402
 
@@ -148,3 +150,13 @@ def test_dw_builder_is_refused_positionally() -> None:
     with pytest.raises(ValueError, match="dw_builder"):
         PipelineStage(torch.nn.Linear(2, 2), 0, 2, torch.device("cpu"), None, None, None, None, None,
                       lambda: (lambda: None))
+
+
+def test_builtin_module_compiled_in_place_is_reported() -> None:
+    """nn.Sequential(...).compile() stays eager (Dynamo skips torch.nn root frames): the stage says so."""
+    from fxsplit.pipelining import _builtin_modules_compiled_in_place
+
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert _builtin_modules_compiled_in_place(seq) == []
+    seq.compile(backend=fxsplit.backend(compiler="eager"))
+    assert _builtin_modules_compiled_in_place(seq) == ["Sequential"]
