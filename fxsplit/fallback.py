@@ -133,23 +133,39 @@ def _group_weights(
     ]
 
 
-def _given_and_missing(
+def _weight_nodes(
     parents: dict[Node, list[Node]], roots: Sequence[Node], weights: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], int]:
-    """Given weights no output depends on, and the number of ``nn.Parameter`` leaves
-    the outputs depend on that are not among the given weights."""
+) -> tuple[dict[int, Node], list[torch.Tensor], int]:
+    """Map each weight the outputs depend on to its autograd node.
+
+    Returns ``(node_of, unreached, missing)``: ``node_of[id(w)]`` for the used
+    weights, the given weights no output depends on, and the number of
+    ``nn.Parameter`` leaves the outputs depend on that were not given. Leaf
+    weights are found through the grad accumulators already in the graph, which
+    avoids creating a view per weight to look them up.
+    """
     reachable = set(parents) | {r for r in roots if r is not None}
-    given = {id(w) for w in weights}
-    unreached = [
-        w for w in weights if w.requires_grad and gradient_edge(w).node not in reachable
-    ]
-    missing = 0
+    by_variable: dict[int, Node] = {}
     for node in reachable:
         if ti.is_accumulate_grad(node):
-            var = getattr(node, "variable", None)
-            if isinstance(var, torch.nn.Parameter) and id(var) not in given:
-                missing += 1
-    return unreached, missing
+            by_variable[id(getattr(node, "variable", None))] = node
+    given = {id(w) for w in weights}
+    node_of: dict[int, Node] = {}
+    unreached: list[torch.Tensor] = []
+    for w in weights:
+        if not w.requires_grad:
+            continue
+        node = by_variable.get(id(w)) if w.grad_fn is None else w.grad_fn
+        if node is not None and node in reachable:
+            node_of[id(w)] = node
+        else:
+            unreached.append(w)
+    missing = sum(
+        1
+        for node in by_variable.values()
+        if isinstance(getattr(node, "variable", None), torch.nn.Parameter) and id(node.variable) not in given
+    )
+    return node_of, unreached, missing
 
 
 def plan_eager_weight_work(
@@ -165,7 +181,7 @@ def plan_eager_weight_work(
     """
     roots = [e.node for e in output_edges]
     parents = _reverse_edges(roots)
-    unreached, missing = _given_and_missing(parents, roots, weights)
+    node_of, unreached, missing = _weight_nodes(parents, roots, weights)
     if unreached and missing:
         raise ValueError(
             f"fxsplit: {len(unreached)} of the weights given to stage_backward_input are not used by the "
@@ -181,9 +197,9 @@ def plan_eager_weight_work(
     w_roots: dict[int, None] = {}
     starts: list[tuple[torch.Tensor, set[Node], set[int]]] = []
     for w in weights:
-        if not w.requires_grad:
+        w_node = node_of.get(id(w))
+        if w_node is None:
             continue
-        w_node = gradient_edge(w).node
         skip_split_regions = isinstance(w, torch.nn.Parameter)
         inter: dict[Node, None] = {}
         outs: set[int] = set()
