@@ -31,6 +31,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from benchmarks.models import Block  # the benchmark's pre-LN transformer block
+
 D_MODEL = 16
 N_HEADS = 2
 N_BLOCKS = 4
@@ -52,28 +54,6 @@ V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 # ---------------------------------------------------------------------------------------------
 # model
-class Block(nn.Module):
-    """Pre-LN transformer block: LayerNorm, causal SDPA attention, GELU MLP."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class StageModule(nn.Module):
     """A run of blocks; the last stage also has the final LayerNorm and output head."""
 
