@@ -64,7 +64,9 @@ class BackendOptions:
             raise ValueError(f"fxsplit: fallback must be 'eager' or 'error', got {self.fallback!r}")
 
 
-# Every region compiled in this process, for inspection (weakly held via the callable).
+# Every region compiled in this process, for inspection. Held strongly, so
+# indices stay stable for callers that slice the list; a region is small (its
+# graphs and compiled callables, no real tensors).
 _REGIONS: list[CompiledSplitBackward] = []
 
 

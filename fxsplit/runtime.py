@@ -42,7 +42,6 @@ class InputPhase:
     """B is running: compiled regions record their W work here."""
 
     records: list[CompiledWeightWork] = dataclasses.field(default_factory=list)
-    nodes: list[Any] = dataclasses.field(default_factory=list)
 
 
 class WeightPhase:
@@ -209,7 +208,6 @@ class CompiledSplitBackward:
         args.clear()
         params = self._params_of(edges, self.split.dw_outputs)
         phase.records.append(CompiledWeightWork(self, live, params))
-        phase.nodes.append(node)
         # Input grads autograd does not need now may be needed by the eager W
         # run (an eager weight upstream of this region): keep them for it.
         deferred = {}
@@ -247,6 +245,3 @@ class CompiledSplitBackward:
             var = getattr(fn, "variable", None) if fn is not None and ti.is_accumulate_grad(fn) else None
             params.append(var if isinstance(var, torch.nn.Parameter) else None)
         return params
-
-    def weight_positions(self) -> tuple[int, ...]:
-        return self.split.dw_outputs
