@@ -103,3 +103,16 @@ def assert_grads_equal(actual: Sequence[Any], expected: Sequence[Any]) -> None:
 
 def snapshot_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+class TwoLayer(nn.Module):
+    """Linear(4, 6) -> ``act`` -> Linear(6, 3): the small stage most semantic tests use."""
+
+    def __init__(self, act: Callable[[torch.Tensor], torch.Tensor] = torch.relu) -> None:
+        super().__init__()
+        self.act = act
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))

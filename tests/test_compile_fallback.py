@@ -10,8 +10,7 @@ import logging
 
 import pytest
 import torch
-import torch.nn as nn
-from stage_check import assert_grads_equal, clone_input, grads_like, reference
+from stage_check import TwoLayer, assert_grads_equal, clone_input, grads_like, reference
 
 import fxsplit
 from fxsplit import _torch_internals
@@ -20,14 +19,8 @@ from fxsplit import _torch_internals
 fxsplit_backend = importlib.import_module("fxsplit.backend")
 
 
-class Stage(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 6)
-        self.b = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.sigmoid(self.a(x)))
+def Stage() -> TwoLayer:
+    return TwoLayer(torch.sigmoid)
 
 
 def _cannot_split(*args, **kwargs):

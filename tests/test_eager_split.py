@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from stage_check import (
+    TwoLayer,
     MODES,
     assert_grads_equal,
     clone_input,
@@ -21,14 +22,8 @@ from stage_check import (
 import fxsplit
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 6)
-        self.b = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+def MLP() -> TwoLayer:
+    return TwoLayer(torch.tanh)
 
 
 def split(model: nn.Module, mode: str, inputs: list, seed: int = 0):

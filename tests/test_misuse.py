@@ -13,17 +13,13 @@ import torch
 import torch.nn as nn
 from stage_check import MODES, assert_grads_equal, clone_input, grads_like, prepare, reference, snapshot_grads
 
+from stage_check import TwoLayer
+
 import fxsplit
 
 
-class Stage(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 6)
-        self.b = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+def Stage() -> TwoLayer:
+    return TwoLayer(torch.relu)
 
 
 @dataclasses.dataclass
