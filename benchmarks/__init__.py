@@ -1,1 +1,1 @@
-"""Benchmarks of fxsplit: ``fxsplit bench`` (see :mod:`benchmarks.bench`) and its models."""
+"""Developer scripts around the benchmark (run from the repository root, e.g. ``python -m benchmarks.graph_times``); results in ``results/``."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import fxsplit
-from benchmarks.models import MODELS, ModelConfig, build
+from fxsplit.bench.models import MODELS, ModelConfig, build
 
 
 def _timed(acc: list[float], fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:

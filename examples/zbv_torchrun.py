@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.models import Block  # the benchmark's pre-LN transformer block
+from fxsplit.bench.models import Block  # the benchmark's pre-LN transformer block
 from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
 import fxsplit

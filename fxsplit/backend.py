@@ -3,7 +3,7 @@
 Dynamo graph -> Inductor's pipeline (pre-grad passes, decompositions,
 AOTAutograd, min-cut partitioner) -> the forward is compiled by the inner
 compiler exactly as ``backend="inductor"`` does; the backward graph is split
-by :func:`passes.split_backward` into a dI and a dW graph, each compiled by
+by :func:`fxsplit.passes.split_backward` into a dI and a dW graph, each compiled by
 the inner compiler, and wrapped in a :class:`~fxsplit.runtime.CompiledSplitBackward`.
 """
 
@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from fxsplit import _torch_internals as ti
 from fxsplit.runtime import CompiledSplitBackward
-from passes import split_backward
+from fxsplit.passes import split_backward
 
 log = logging.getLogger("fxsplit")
 

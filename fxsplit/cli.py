@@ -1,7 +1,7 @@
 """Command line: ``fxsplit bench [options]`` (also ``python -m fxsplit bench``).
 
 ``bench`` runs the compiled-vs-eager benchmark of the split backward
-(:mod:`benchmarks.bench`); ``fxsplit bench --help`` lists its options.
+(:mod:`fxsplit.bench.run`); ``fxsplit bench --help`` lists its options.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv[:1])
     if ns.command == "bench":
         # imported here: the benchmark pulls in torch.distributed.pipelining and the models
-        from benchmarks.bench import main as bench_main
+        from fxsplit.bench.run import main as bench_main
 
         return bench_main(argv[1:], prog="fxsplit bench")
     raise AssertionError(ns.command)  # argparse rejected anything else

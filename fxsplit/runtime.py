@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fxsplit import _torch_internals as ti
-from passes import SplitResult
+from fxsplit.passes import SplitResult
 
 log = logging.getLogger("fxsplit")
 

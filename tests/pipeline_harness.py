@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.models import Block  # the benchmark's pre-LN transformer block
+from fxsplit.bench.models import Block  # the benchmark's pre-LN transformer block
 
 D_MODEL = 16
 N_HEADS = 2

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench
+from fxsplit.bench import run as bench
 from fxsplit import cli
 
 SPLIT_MODES = {"eager+upstream", "inductor+upstream", "fxsplit+split"}
@@ -102,7 +102,7 @@ def test_table_and_default_path(quick_result: tuple[dict[str, Any], str]) -> Non
     import torch
 
     path = bench.default_out_path(torch.device("cpu"), bench.ModelConfig())
-    assert path.parent == Path(bench.__file__).resolve().parent / "results"
+    assert path.parent == Path(bench.__file__).resolve().parents[2] / "benchmarks" / "results"
     assert path.name.startswith("cpu-") and path.suffix == ".json"
 
 

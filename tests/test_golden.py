@@ -2,7 +2,7 @@
 
 Each block is compiled with ``fxsplit.backend(compiler="eager")``; the split
 of its backward graph is read from ``fxsplit.compiled_regions()[-1].split`` and
-compared, as ``passes.normalized_graph_code`` text, with the strings inline
+compared, as ``fxsplit.passes.normalized_graph_code`` text, with the strings inline
 below (``expecttest.TestCase.assertExpectedInline``).
 
 The goldens are tied to the torch release CI pins (torch==2.13.0): AOTAutograd's
@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import fxsplit
 import zoo
-from passes import normalized_graph_code
+from fxsplit.passes import normalized_graph_code
 
 GOLDEN_TORCH = "2.13.0"
 

@@ -1,4 +1,4 @@
-"""Unit tests of the pure split pass (:func:`passes.split_backward`) on hand-built FX graphs.
+"""Unit tests of the pure split pass (:func:`fxsplit.passes.split_backward`) on hand-built FX graphs.
 
 Each graph is written out node by node with ATen ops, as AOTAutograd's
 backward graphs are: placeholders (saved activations, tangents, SymInts),
@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.testing import assert_close
 
-from passes import SplitError, normalized_graph_code, split_backward
+from fxsplit.passes import SplitError, normalized_graph_code, split_backward
 
 aten = torch.ops.aten
 

@@ -78,7 +78,7 @@ from torch.utils.benchmark.utils.common import TaskSpec
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxsplit
-from benchmarks.models import MODELS, ModelConfig, Stage, build
+from fxsplit.bench.models import MODELS, ModelConfig, Stage, build
 
 log = logging.getLogger("fxsplit")
 
@@ -428,7 +428,15 @@ def default_out_path(device: torch.device, model: ModelConfig) -> Path:
     stem = f"{device.type}-{_slug(_device_name(device))}"
     if model.name != "gpt" or model.embedding:
         stem += f"-{model.name}" + ("-embedding" if model.embedding else "")
-    return Path(__file__).resolve().parent / "results" / f"{stem}.json"
+    return results_dir() / f"{stem}.json"
+
+
+def results_dir() -> Path:
+    """The repository's ``benchmarks/results`` when run from a checkout, else ``./benchmarks/results``."""
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "benchmarks" / "results").is_dir():
+        return repo / "benchmarks" / "results"
+    return Path.cwd() / "benchmarks" / "results"
 
 
 def _first_step(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device, fresh: bool) -> float:
@@ -748,4 +756,4 @@ def main(argv: Sequence[str] | None = None, prog: str = "fxsplit bench") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m benchmarks.bench"))
+    sys.exit(main(prog="python -m fxsplit.bench.run"))
