@@ -193,3 +193,54 @@ def with_strides(example: Any, stride: tuple[int, ...] | None) -> Any:
     mode = getattr(example, "fake_mode", None)
     with mode if mode is not None else contextlib.nullcontext():
         return torch.empty_strided(tuple(example.shape), stride, dtype=example.dtype, device=example.device)
+
+
+def trace_on_values(fn: Callable[..., Any], values: Sequence[Any]) -> fx.GraphModule:
+    """Trace ``fn(*values)`` into an ATen-level FX graph whose nodes carry ``meta["val"]``.
+
+    ``values`` are the ``meta["val"]`` of graph nodes: fake tensors and SymInts
+    of one ``FakeTensorMode`` (AOTAutograd's graphs) or real tensors
+    (hand-built graphs). Tracing runs in that fake mode with the Python
+    dispatcher on, as AOTAutograd traces, so symbolic sizes stay symbolic and
+    new sizes are expressions of the same shape environment. It decomposes
+    with Inductor's decomposition table, as ``compile_fx`` does for the
+    backward graph: Inductor refuses graphs holding ops it expects decomposed
+    (e.g. ``aten.transpose.int``). Relies on ``torch._guards.detect_fake_mode``,
+    ``torch._dispatch.python.enable_python_dispatcher``,
+    ``torch._inductor.decomposition.select_decomp_table`` and ``make_fx``
+    (default "real" tracing mode on already-fake values).
+    """
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = detect_fake_mode(list(values))
+    with mode if mode is not None else contextlib.nullcontext(), enable_python_dispatcher():
+        return make_fx(fn, decomposition_table=select_decomp_table())(*values)
+
+
+def dynamo_control_flow_exceptions() -> tuple[type[BaseException], ...]:
+    """Exceptions a backend must let through to Dynamo untouched.
+
+    Dynamo raises these through the backend call to steer compilation, not to
+    report a failure: ``RestartAnalysis`` and its subclasses (e.g.
+    ``TensorifyScalarRestartAnalysis``: trace again with some scalars
+    specialized), ``SkipFrame`` (skip this frame), ``Unsupported`` (a graph
+    break), ``ShortenTraceback`` (an error already reported by a nested
+    compile, e.g. ``BackendCompilerFailed``), and the fake-tensor exceptions
+    Dynamo turns into a graph break when a backend raises them
+    (``exceptions_allowed_to_be_fallback``). Mirrors what
+    ``OutputGraph.call_user_compiler`` re-raises or handles itself
+    (``torch/_dynamo/output_graph.py``); relies on the classes in
+    ``torch/_dynamo/exc.py``.
+    """
+    from torch._dynamo import exc
+
+    return (
+        exc.RestartAnalysis,
+        exc.SkipFrame,
+        exc.Unsupported,
+        exc.ShortenTraceback,
+        *exc.exceptions_allowed_to_be_fallback,
+    )

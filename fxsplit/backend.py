@@ -5,6 +5,12 @@ AOTAutograd, min-cut partitioner) -> the forward is compiled by the inner
 compiler exactly as ``backend="inductor"`` does; the backward graph is split
 by :func:`fxsplit.passes.split_backward` into a dI and a dW graph, each compiled by
 the inner compiler, and wrapped in a :class:`~fxsplit.runtime.CompiledSplitBackward`.
+
+Never silent: a region that cannot be compiled or split either raises
+:class:`FxsplitCompileError` or runs eagerly after one short warning; each
+such fallback is recorded (:func:`fallbacks`) with the graph that failed.
+Exceptions Dynamo raises through a backend to steer compilation (restarts,
+graph breaks) are not failures and pass through untouched.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,19 +27,67 @@ import torch
 import torch.fx as fx
 
 from fxsplit import _torch_internals as ti
+from fxsplit import config
+from fxsplit.passes import SplitResult, split_backward
 from fxsplit.runtime import CompiledSplitBackward
-from fxsplit.passes import split_backward
+from fxsplit.split_rules import trace_split_rule
 
 log = logging.getLogger("fxsplit")
 
-__all__ = ["BackendOptions", "FxsplitCompileError", "backend", "fxsplit_backend", "compiled_regions"]
+__all__ = [
+    "BackendOptions",
+    "FallbackRecord",
+    "FxsplitCompileError",
+    "backend",
+    "compiled_regions",
+    "fallbacks",
+    "fxsplit_backend",
+]
 
 _COMPILERS = ("inductor", "eager")
 _region_ids = itertools.count()
 
 
 class FxsplitCompileError(RuntimeError):
-    """Compiling or splitting a region failed and ``fallback="error"`` was set."""
+    """Compiling or splitting a region failed and ``fallback="error"`` was set.
+
+    ``region`` names the region, ``graph`` the step that failed (see
+    :class:`FallbackRecord`); the original exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, region: str | None = None, graph: str | None = None) -> None:
+        super().__init__(message)
+        self.region = region
+        self.graph = graph
+
+
+_GRAPHS = {
+    "aot": "tracing the region (Dynamo graph -> AOTAutograd forward/backward)",
+    "forward": "compiling the forward graph",
+    "split": "splitting the backward graph",
+    "dI": "compiling the dI graph",
+    "dW": "compiling the dW graph",
+    "fused": "compiling the fused backward graph",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackRecord:
+    """A region that fell back to eager execution.
+
+    ``graph`` is the step that failed: ``"aot"`` (AOTAutograd tracing and
+    partitioning, before any graph of ours), ``"forward"``, ``"split"`` (the
+    split pass), ``"dI"``, ``"dW"`` or ``"fused"`` (compiling that graph).
+    ``message`` is the first line of the exception.
+    """
+
+    region: str
+    graph: str
+    exception: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.region}: {_GRAPHS.get(self.graph, self.graph)} failed ({self.exception}: {self.message})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,22 +101,28 @@ class BackendOptions:
         ``.backward()`` so that it matches ``backend="inductor"`` kernel for
         kernel. With ``False`` ordinary backward runs dI then dW back to back
         and compiles one graph less.
-    fallback: ``"eager"`` (default): if a region cannot be compiled or split,
-        log one warning and run it eagerly, where the eager split still
-        applies; ``"error"``: raise :class:`FxsplitCompileError`.
+    fallback: ``"eager"``: if a region cannot be compiled or split, log one
+        warning, record it (:func:`fallbacks`) and run it eagerly, where the
+        eager split still applies; ``"error"``: raise
+        :class:`FxsplitCompileError`. ``None`` (default): ``fxsplit.config.fallback``
+        when the region compiles (``"eager"`` unless changed).
     inductor_config: Inductor config patches (as ``torch.compile(options=...)``).
     """
 
     compiler: str = "inductor"
     fused_backward: bool = True
-    fallback: str = "eager"
+    fallback: str | None = None
     inductor_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.compiler not in _COMPILERS:
             raise ValueError(f"fxsplit: compiler must be one of {_COMPILERS}, got {self.compiler!r}")
-        if self.fallback not in ("eager", "error"):
-            raise ValueError(f"fxsplit: fallback must be 'eager' or 'error', got {self.fallback!r}")
+        if self.fallback is not None and self.fallback not in config.FALLBACKS:
+            raise ValueError(f"fxsplit: fallback must be one of {config.FALLBACKS} or None, got {self.fallback!r}")
+
+    def resolved_fallback(self) -> str:
+        """The fallback mode in force now: this option, else ``fxsplit.config.fallback``."""
+        return self.fallback if self.fallback is not None else config.current_fallback()
 
 
 # Every region compiled in this process, for inspection. Held strongly, so
@@ -73,6 +134,46 @@ _REGIONS: list[CompiledSplitBackward] = []
 def compiled_regions() -> list[CompiledSplitBackward]:
     """The split backward regions compiled so far in this process (oldest first)."""
     return list(_REGIONS)
+
+
+_FALLBACKS: list[FallbackRecord] = []
+_REPORTED_OPS: set[str] = set()
+_REPORT_LOCK = threading.Lock()
+
+
+def fallbacks() -> list[FallbackRecord]:
+    """Every region that fell back to eager execution in this process (oldest first)."""
+    with _REPORT_LOCK:
+        return list(_FALLBACKS)
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _report_weight_work_in_di(name: str, split: SplitResult) -> None:
+    """Say once per operator (per process) that it keeps weight work in B."""
+    for shared in split.weight_work_in_di:
+        with _REPORT_LOCK:
+            first = shared.op not in _REPORTED_OPS
+            _REPORTED_OPS.add(shared.op)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "fxsplit: %s: %s returns input and weight gradients from one call and has no split "
+            "rule; it runs whole in dI, so B does its weight-gradient work (outputs %s). "
+            "Declare one with fxsplit.register_split_rule(%r, ...).",
+            name, shared.op, list(shared.dw_outputs), shared.op,
+        )
+
+
+@dataclasses.dataclass
+class _RegionBuild:
+    """What is being compiled for one region, so a failure can name it."""
+
+    name: str
+    graph: str = "aot"
 
 
 def _inner_compile_for(opts: BackendOptions) -> Callable[..., ti.BoxedCallable]:
@@ -110,12 +211,15 @@ def _compile_split_backward(
     is_param: Sequence[bool],
     is_tensor: Sequence[bool],
     opts: BackendOptions,
-    name: str,
+    build: _RegionBuild,
 ) -> CompiledSplitBackward:
+    name = build.name
     inner = _inner_compile_for(opts)
-    split = split_backward(bw, _weight_outputs(bw, is_param))
+    build.graph = "split"
+    split = split_backward(bw, _weight_outputs(bw, is_param), rule=trace_split_rule)
     ti.declare_no_donated_buffers()
     log.debug("fxsplit: %s split:\n%s", name, split.describe())
+    _report_weight_work_in_di(name, split)
 
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     static = set(kwargs.get("static_input_idxs") or ())
@@ -123,12 +227,15 @@ def _compile_split_backward(
     if opts.compiler == "inductor":
         split_kwargs["cudagraphs"] = ti.no_cudagraphs()
 
+    build.graph = "dI"
     di_gm = split.di_graph
     ti.mark_user_visible_outputs(di_gm, range(len(split.di_outputs)))
     run_di = inner(di_gm, list(example_inputs), **{**split_kwargs, "static_input_idxs": sorted(static)})
 
+    build.graph = "dW"
     di_strides = ti.compiled_output_strides(run_di) if opts.compiler == "inductor" else None
     index_of = {p.name: k for k, p in enumerate(placeholders)}
+    dw_placeholders = split.dw_graph.graph.find_nodes(op="placeholder")
     dw_examples: list[Any] = []
     dw_static: list[int] = []
     for k, live in enumerate(split.live_ins):
@@ -137,15 +244,17 @@ def _compile_split_backward(
             if index_of[live.name] in static:
                 dw_static.append(k)
         else:
-            node = next(n for n in bw.graph.nodes if n.name == live.name)
             # dW receives this live-in as compiled dI lays it out (Inductor may
-            # pick e.g. channels-last for a conv gradient), not as traced.
+            # pick e.g. channels-last for a conv gradient), not as traced. A
+            # SymInt live-in is its traced value: an expression of the same
+            # shape environment, bound by the SymInt live-ins beside it.
             stride = di_strides[len(split.di_outputs) + k] if di_strides else None
-            dw_examples.append(ti.with_strides(node.meta["val"], stride))
+            dw_examples.append(ti.with_strides(dw_placeholders[k].meta["val"], stride))
     dw_gm = split.dw_graph
     ti.mark_user_visible_outputs(dw_gm, range(len(split.dw_outputs)))
     run_dw = inner(dw_gm, dw_examples, **{**split_kwargs, "static_input_idxs": dw_static})
 
+    build.graph = "fused"
     run_fused = inner(bw, list(example_inputs), **kwargs) if opts.fused_backward else None
     region = CompiledSplitBackward(split, run_di, run_dw, run_fused, name=name, input_is_tensor=is_tensor)
     _REGIONS.append(region)
@@ -153,22 +262,48 @@ def _compile_split_backward(
         "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins",
         name, opts.compiler, len(split.di_outputs), len(split.dw_outputs), len(split.live_ins),
     )
+    build.graph = "aot"  # what remains is AOTAutograd's wrapping
     return region
 
 
-def _compile_region(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
-    name = f"region{next(_region_ids)}"
+def _compile_region(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, build: _RegionBuild
+) -> Callable[..., Any]:
     is_param = [isinstance(e, torch.nn.Parameter) for e in example_inputs]
     is_tensor = [isinstance(e, torch.Tensor) for e in example_inputs]
     inner = _inner_compile_for(opts)
 
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
         if kw.get("is_backward"):
-            return _compile_split_backward(g, ex, kw, is_param, is_tensor, opts, name)
-        return inner(g, ex, **kw)
+            return _compile_split_backward(g, ex, kw, is_param, is_tensor, opts, build)
+        build.graph = "forward"
+        compiled = inner(g, ex, **kw)
+        build.graph = "aot"
+        return compiled
 
     with ti.aot_config_for_split():
         return ti.compile_fx(gm, example_inputs, inner_compile)
+
+
+def _fall_back(build: _RegionBuild, e: Exception, mode: str) -> None:
+    """Raise :class:`FxsplitCompileError` (``mode == "error"``) or record the
+    fallback and log one short warning; the full traceback goes to DEBUG."""
+    record = FallbackRecord(build.name, build.graph, type(e).__name__, _first_line(e))
+    if mode == "error":
+        raise FxsplitCompileError(
+            f"fxsplit: {record}. fallback='eager' would run the region eagerly instead",
+            region=build.name,
+            graph=build.graph,
+        ) from e
+    with _REPORT_LOCK:
+        _FALLBACKS.append(record)
+    log.warning(
+        "fxsplit: %s; running the region eagerly, where the eager split applies. "
+        "See fxsplit.fallbacks(); the full traceback is logged at DEBUG level on the 'fxsplit' "
+        "logger; fallback='error' raises instead.",
+        record,
+    )
+    log.debug("fxsplit: %s failed", build.name, exc_info=e)
 
 
 def backend(**options: Any) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
@@ -179,18 +314,16 @@ def backend(**options: Any) -> Callable[[fx.GraphModule, list[Any]], Callable[..
     opts = BackendOptions(**options)
 
     def fxsplit_backend_configured(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        mode = opts.resolved_fallback()
         # compile_fx may rewrite gm in place; keep a pristine graph to fall back on.
-        pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if opts.fallback == "eager" else gm
+        pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if mode == "eager" else gm
+        build = _RegionBuild(f"region{next(_region_ids)}")
         try:
-            return _compile_region(gm, example_inputs, opts)
+            return _compile_region(gm, example_inputs, opts, build)
+        except ti.dynamo_control_flow_exceptions():
+            raise  # Dynamo steering its own compilation (restart, graph break): not a failure
         except Exception as e:
-            if opts.fallback == "error":
-                raise FxsplitCompileError(f"fxsplit: could not compile or split a region: {e}") from e
-            log.warning(
-                "fxsplit: could not compile or split a region (%s: %s); running it eagerly, "
-                "where the eager split applies",
-                type(e).__name__, e,
-            )
+            _fall_back(build, e, mode)
             return pristine.forward
 
     fxsplit_backend_configured.options = opts  # type: ignore[attr-defined]
@@ -199,4 +332,4 @@ def backend(**options: Any) -> Callable[[fx.GraphModule, list[Any]], Callable[..
 
 fxsplit_backend = backend()
 """The default backend, registered as ``backend="fxsplit"`` through the
-``torch_dynamo_backends`` entry point."""
+``torch_dynamo_backends`` entry point; its fallback mode is ``fxsplit.config.fallback``."""

@@ -14,7 +14,11 @@ run time, we partition AOTAutograd's backward FX graph ahead of time.
 Live-ins are backward inputs (saved activations, tangents, SymInts) and
 intermediates computed in dI (e.g. the gradient flowing into a Linear) that
 dW consumes. Nothing else crosses, so everything only dI needs can be freed
-when dI ends.
+when dI ends. Every live-in is a tensor or a size scalar (a SymInt), never a
+tuple: a multi-output node either is split (:mod:`fxsplit.passes.shared`) or
+its outputs cross one by one. Sizes stay symbolic: dW also receives the SymInts
+that define the sizes of its inputs (:mod:`fxsplit.passes.symbols`), and a
+value dW reads only for its size crosses as that size.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from fxsplit.passes.shared import OutputSubset, SharedNode, find_shared_nodes, split_shared_node
+from fxsplit.passes.symbols import is_symbolic_scalar, missing_bindings
 
 __all__ = ["LiveIn", "SplitError", "SplitResult", "split_backward"]
 
@@ -45,7 +52,7 @@ class LiveIn:
 
     name: str
     source: str
-    kind: str  # "tensor", "symint" or "other"
+    kind: str  # "tensor", "symint", "symfloat" or "symbool"
 
     def __str__(self) -> str:
         return f"{self.name} ({self.source}, {self.kind})"
@@ -64,7 +71,11 @@ class SplitResult:
 
     ``di_outputs`` and ``dw_outputs`` are disjoint sorted indices into the
     backward graph's outputs. ``live_ins`` names, in order, the values the dI
-    graph returns after its own outputs and the dW graph takes as placeholders.
+    graph returns after its own outputs and the dW graph takes as placeholders:
+    tensors and size scalars only. The dW graph's placeholders bind every size
+    symbol its inputs and nodes mention. ``shared`` lists the nodes that
+    computed outputs for both graphs and what the split did with each (an
+    ``"unsplit"`` one is weight-gradient work that runs in dI).
     The graphs are fresh ``GraphModule``s; the input graph is not modified.
     """
 
@@ -74,6 +85,12 @@ class SplitResult:
     dw_outputs: tuple[int, ...]
     live_ins: tuple[LiveIn, ...]
     num_outputs: int
+    shared: tuple[SharedNode, ...] = ()
+
+    @property
+    def weight_work_in_di(self) -> tuple[SharedNode, ...]:
+        """Shared nodes no rule could split: their weight-gradient work runs in dI."""
+        return tuple(s for s in self.shared if s.how == "unsplit")
 
     @property
     def num_live_ins(self) -> int:
@@ -86,16 +103,28 @@ class SplitResult:
             f"dW outputs: {list(self.dw_outputs)}",
             f"live-ins ({len(self.live_ins)}): " + ", ".join(map(str, self.live_ins)),
         ]
+        lines += [f"weight work in dI: {s}" for s in self.shared if s.how == "unsplit"]
+        lines += [f"shared: {s}" for s in self.shared if s.how != "unsplit"]
         return "\n".join(lines)
 
 
 def _kind(node: fx.Node) -> str:
+    """What a live-in is; raises :class:`SplitError` for anything but a tensor
+    or a size scalar (a tuple here means a multi-output node was not broken
+    into its ``getitem`` leaves)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return "tensor"
+    if isinstance(val, (torch.SymBool, bool)):
+        return "symbool"
     if isinstance(val, (torch.SymInt, int)):
         return "symint"
-    return "other"
+    if isinstance(val, (torch.SymFloat, float)):
+        return "symfloat"
+    raise SplitError(
+        f"value {node.name} ({node.op} {node.target}) would cross from dI to dW but is a "
+        f"{type(val).__name__}, not a tensor or a SymInt"
+    )
 
 
 def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
@@ -134,76 +163,6 @@ def _copy_nodes(
         env[n] = graph.node_copy(n, lambda a: env[a])
 
 
-def _mask_position(node: fx.Node) -> int | None:
-    """Position of the ``output_mask`` argument of a multi-output backward op
-    (``convolution_backward`` and friends), or ``None``."""
-    if node.op != "call_function":
-        return None
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return None
-    for k, arg in enumerate(schema.arguments):
-        if arg.name == "output_mask":
-            return k
-    return None
-
-
-def _get_mask(node: fx.Node, pos: int) -> list[bool] | None:
-    mask = node.args[pos] if pos < len(node.args) else node.kwargs.get("output_mask")
-    if isinstance(mask, (list, tuple)) and all(isinstance(m, bool) for m in mask):
-        return list(mask)
-    return None
-
-
-def _with_mask(node: fx.Node, pos: int, mask: list[bool]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if pos < len(node.args):
-        args = list(node.args)
-        args[pos] = mask
-        return tuple(args), dict(node.kwargs)
-    return tuple(node.args), {**node.kwargs, "output_mask": mask}
-
-
-def _masked_nodes_to_split(graph: fx.Graph, di_nodes: set[fx.Node]) -> list[tuple[fx.Node, set[int]]]:
-    """Multi-output backward ops (one node computing e.g. the input *and* the
-    weight gradient of a convolution) that dI needs but whose other outputs
-    only dW reads. Returns each with the output indices dI needs."""
-    found = []
-    for n in graph.nodes:
-        if n not in di_nodes:
-            continue
-        pos = _mask_position(n)
-        if pos is None or _get_mask(n, pos) is None:
-            continue
-        users = list(n.users)
-        if not users or any(u.target is not operator.getitem or not isinstance(u.args[1], int) for u in users):
-            continue
-        di_idx = {u.args[1] for u in users if u in di_nodes}
-        dw_idx = {u.args[1] for u in users if u not in di_nodes}
-        if di_idx and dw_idx:
-            found.append((n, di_idx))
-    return found
-
-
-def _split_masked_node(graph: fx.Graph, node: fx.Node, di_idx: set[int]) -> None:
-    """Replace ``node`` by two nodes of the same op: one computing the outputs
-    in ``di_idx``, one the rest (via ``output_mask``), and rewire its getitems."""
-    pos = _mask_position(node)
-    assert pos is not None
-    mask = _get_mask(node, pos)
-    assert mask is not None
-    parts = {}
-    for side, keep in (("di", lambda i: i in di_idx), ("dw", lambda i: i not in di_idx)):
-        new_mask = [m and keep(i) for i, m in enumerate(mask)]
-        args, kwargs = _with_mask(node, pos, new_mask)
-        with graph.inserting_after(node):
-            new = graph.call_function(node.target, args, kwargs)
-        new.meta = dict(node.meta)
-        parts[side] = new
-    for u in list(node.users):
-        u.replace_input_with(node, parts["di"] if u.args[1] in di_idx else parts["dw"])
-    graph.erase_node(node)
-
-
 def _di_closure(graph: fx.Graph, rets: Sequence[Any], di_outputs: Sequence[int]) -> set[fx.Node]:
     """Nodes dI runs: ancestors of the input gradients, plus side-effecting
     nodes (they must run exactly once, and dI always runs)."""
@@ -223,18 +182,67 @@ def _copy_graph(graph: fx.Graph, rets: Sequence[Any]) -> tuple[fx.Graph, list[An
     return new, new_rets
 
 
+
+
+def _movable_to_di(node: fx.Node, dw_nodes: Collection[fx.Node]) -> bool:
+    """Whether ``node``, needed only by dW, is better computed in dI and crossed:
+    nothing of what it reads is computed in dW, and it is free to compute and
+    cheaper to hold than its inputs. That is a ``getitem`` of a node dI runs
+    (its tensor crosses, not the tuple), or a size scalar computed from values
+    dI has (a SymInt crosses, not the tensor dW would read only for its size;
+    reading a tensor's data, as ``.item()`` does, is not a size computation).
+    """
+    if node.op != "call_function" or any(a in dw_nodes for a in node.all_input_nodes):
+        return False
+    if node.target is operator.getitem:
+        return True
+    if not is_symbolic_scalar(node):
+        return False
+    reads_tensor = any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
+    return not reads_tensor or node.target in _SIZE_QUERIES
+
+
+_SIZE_QUERIES = frozenset(
+    {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_storage_offset.default,
+    }
+)
+
+
+def _split_shared_nodes(
+    graph: fx.Graph,
+    rets: Sequence[Any],
+    di_outputs: Sequence[int],
+    dw_outputs: Sequence[int],
+    rule: OutputSubset | None,
+) -> tuple[SharedNode, ...]:
+    """Split, in place, every node dI runs that also computes outputs only dW reads."""
+    di_nodes = _di_closure(graph, rets, di_outputs)
+    dw_needed = _ancestors([rets[i] for i in dw_outputs])
+    return tuple(
+        split_shared_node(graph, node, di_idx, dw_idx, rule)
+        for node, di_idx, dw_idx in find_shared_nodes(graph, di_nodes, dw_needed)
+    )
+
+
 def split_backward(
     bw: fx.GraphModule,
     weight_outputs: Collection[int],
+    rule: OutputSubset | None = None,
 ) -> SplitResult:
     """Split ``bw`` so that outputs in ``weight_outputs`` are computed by a separate dW graph.
 
     ``weight_outputs`` are indices into the tuple ``bw`` returns (the gradients
     of weights); every other non-``None`` output is an input gradient and is
-    computed by the dI graph. Raises :class:`SplitError` if an index is out of
-    range or the graph does not return a flat tuple.
+    computed by the dI graph. ``rule`` splits multi-output nodes that have no
+    ``output_mask`` (see :data:`fxsplit.passes.shared.OutputSubset`). Raises
+    :class:`SplitError` if an index is out of range or the graph does not
+    return a flat tuple.
     """
-    out_node, rets = _output_nodes(bw)
+    _, rets = _output_nodes(bw)
     num_outputs = len(rets)
     bad = [i for i in weight_outputs if not 0 <= i < num_outputs]
     if bad:
@@ -250,76 +258,40 @@ def split_backward(
     dw_outputs = tuple(i for i, r in enumerate(rets) if i in weight_set and r is not None)
     di_outputs = tuple(i for i, r in enumerate(rets) if i not in weight_set and r is not None)
 
-    graph = bw.graph
-    di_nodes = _di_closure(graph, rets, di_outputs)
-    to_split = _masked_nodes_to_split(graph, di_nodes)
-    if to_split:
-        # One node computes both an input and a weight gradient (e.g.
-        # convolution_backward): on a private copy of the graph, give dI a node
-        # computing only what dI needs, so the weight-gradient work moves to dW.
-        graph, rets = _copy_graph(bw.graph, rets)
-        env_nodes = {n.name: n for n in graph.nodes}
-        for n, di_idx in to_split:
-            _split_masked_node(graph, env_nodes[n.name], di_idx)
-        di_nodes = _di_closure(graph, rets, di_outputs)
-    dw_needed = _ancestors([rets[i] for i in dw_outputs])
-    dw_nodes = dw_needed - di_nodes
+    # Work on a private copy: splitting shared nodes rewrites the graph.
+    graph, rets = _copy_graph(bw.graph, rets)
+    shared = _split_shared_nodes(graph, rets, di_outputs, dw_outputs, rule)
+    _, rets = _output_nodes_of(graph)  # a rule may have replaced an output node
 
-    # Live-ins: values owned by dI (its nodes or placeholders) that dW reads,
-    # or that are themselves weight-gradient outputs.
+    # dI: what the input gradients need. dW: what only the weight gradients need.
+    di_nodes = _di_closure(graph, rets, di_outputs)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    dw_nodes = _ancestors([rets[i] for i in dw_outputs]) - di_nodes - set(placeholders)
+    for n in graph.nodes:  # topological order, so chains of such nodes move together
+        if n in dw_nodes and _movable_to_di(n, dw_nodes):
+            dw_nodes.discard(n)
+            di_nodes.add(n)
+
+    # Live-ins: values dI has (its nodes or the backward's inputs) that dW reads
+    # or returns, and the SymInts that bind the size symbols dW mentions.
     crossing: set[fx.Node] = set()
     for n in dw_nodes:
-        for a in n.all_input_nodes:
-            if a not in dw_nodes:
-                crossing.add(a)
-    for i in dw_outputs:
-        if rets[i] not in dw_nodes:
-            crossing.add(rets[i])
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    # Placeholders only dW reads are in dw_nodes; move them to the crossing set.
-    for p in placeholders:
-        if p in dw_nodes:
-            dw_nodes.discard(p)
-            crossing.add(p)
+        crossing.update(a for a in n.all_input_nodes if a not in dw_nodes)
+    crossing.update(rets[i] for i in dw_outputs if rets[i] not in dw_nodes)
     order = {n: k for k, n in enumerate(graph.nodes)}
+    dw_body = sorted(dw_nodes, key=order.__getitem__)
+    crossing.update(missing_bindings(graph, crossing, dw_body))
     live_nodes = sorted(crossing, key=order.__getitem__)
-
-    # ---- dI graph: same placeholders as bw, returns dI outputs + live-ins.
-    di = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for p in placeholders:
-        env[p] = di.node_copy(p)
-    body = [n for n in graph.nodes if n in di_nodes and n.op not in ("placeholder", "output")]
-    _copy_nodes(body, di, env)
-    di_ret = [env[rets[i]] for i in di_outputs] + [env[n] for n in live_nodes]
-    di.output(tuple(di_ret))
-
-    # ---- dW graph: live-ins as placeholders, returns dW outputs.
-    dw = fx.Graph()
-    wenv: dict[fx.Node, fx.Node] = {}
-    for n in live_nodes:
-        ph = dw.placeholder(n.name)
-        ph.meta = dict(n.meta)
-        wenv[n] = ph
-    wbody = [n for n in graph.nodes if n in dw_nodes and n.op not in ("placeholder", "output")]
-    _copy_nodes(wbody, dw, wenv)
-    dw.output(tuple(wenv[rets[i]] for i in dw_outputs))
-
-    for g, src in ((di, out_node), (dw, out_node)):
-        g.output_node().meta.update({k: v for k, v in src.meta.items() if k == "desc"})
-    # The 'desc' list describes the full output tuple; narrow it to each graph.
-    descs = out_node.meta.get("desc")
-    if isinstance(descs, (list, tuple)) and len(descs) == num_outputs:
-        di.output_node().meta["desc"] = [descs[i] for i in di_outputs] + [None] * len(live_nodes)
-        dw.output_node().meta["desc"] = [descs[i] for i in dw_outputs]
-    else:
-        di.output_node().meta.pop("desc", None)
-        dw.output_node().meta.pop("desc", None)
-
     live_ins = tuple(
         LiveIn(name=n.name, source="input" if n.op == "placeholder" else "dI", kind=_kind(n))
         for n in live_nodes
     )
+    # A binding SymInt may come from a node neither side needed yet (an unbacked size).
+    di_nodes |= _ancestors([n for n in live_nodes if n.op != "placeholder"])
+
+    di = _build_di_graph(graph, placeholders, di_nodes, [rets[i] for i in di_outputs], live_nodes)
+    dw = _build_dw_graph(live_nodes, dw_body, [rets[i] for i in dw_outputs])
+    _narrow_output_descs(bw, di, dw, di_outputs, dw_outputs, len(live_nodes))
     di.lint()
     dw.lint()
     return SplitResult(
@@ -329,4 +301,52 @@ def split_backward(
         dw_outputs=dw_outputs,
         live_ins=live_ins,
         num_outputs=num_outputs,
+        shared=shared,
     )
+
+
+def _output_nodes_of(graph: fx.Graph) -> tuple[fx.Node, list[Any]]:
+    out = graph.output_node()
+    return out, list(out.args[0])
+
+
+def _build_di_graph(
+    graph: fx.Graph,
+    placeholders: Sequence[fx.Node],
+    di_nodes: Collection[fx.Node],
+    outputs: Sequence[fx.Node],
+    live_nodes: Sequence[fx.Node],
+) -> fx.Graph:
+    """The dI graph: the backward's placeholders, ``di_nodes``; returns ``outputs`` then the live-ins."""
+    di = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in placeholders:
+        env[p] = di.node_copy(p)
+    body = [n for n in graph.nodes if n in di_nodes and n.op not in ("placeholder", "output")]
+    _copy_nodes(body, di, env)
+    di.output(tuple(env[n] for n in (*outputs, *live_nodes)))
+    return di
+
+
+def _build_dw_graph(live_nodes: Sequence[fx.Node], body: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> fx.Graph:
+    """The dW graph: the live-ins as placeholders (same names and values), ``body``; returns ``outputs``."""
+    dw = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in live_nodes:
+        ph = dw.placeholder(n.name)
+        ph.meta = dict(n.meta)
+        env[n] = ph
+    _copy_nodes(body, dw, env)
+    dw.output(tuple(env[n] for n in outputs))
+    return dw
+
+
+def _narrow_output_descs(
+    bw: fx.GraphModule, di: fx.Graph, dw: fx.Graph, di_outputs: Sequence[int], dw_outputs: Sequence[int], num_live: int
+) -> None:
+    """AOTAutograd's output descriptors (``meta["desc"]``, one per backward
+    output) narrowed to each graph's outputs (live-ins have none)."""
+    descs = bw.graph.output_node().meta.get("desc")
+    if isinstance(descs, (list, tuple)) and len(descs) == len(bw.graph.output_node().args[0]):
+        di.output_node().meta["desc"] = [descs[i] for i in di_outputs] + [None] * num_live
+        dw.output_node().meta["desc"] = [descs[i] for i in dw_outputs]

@@ -1,0 +1,203 @@
+"""Split rules: how to compute only some outputs of a multi-output backward op.
+
+A backward op that returns an input gradient and a weight gradient from one
+call (``transformers::grouped_mm_fallback_backward(input, weight, offs,
+grad_output) -> (grad_input, grad_weight)``) would run whole in dI, doing the
+weight-gradient work in B. A split rule tells fxsplit how to compute a subset
+of the op's outputs, so dI computes only the input gradient and dW only the
+weight gradient::
+
+    def rule(outputs, input, weight, offs, grad_output):
+        grad_input = my_input_grad(grad_output, weight, offs) if 0 in outputs else None
+        grad_weight = my_weight_grad(input, grad_output, offs) if 1 in outputs else None
+        return grad_input, grad_weight
+
+    fxsplit.register_split_rule("mylib::grouped_mm_backward", rule)
+
+``rule(outputs, *args, **kwargs)`` gets the op's arguments and the frozenset of
+output indices wanted, and returns one entry per output of the op: a tensor
+for each wanted index, anything (``None``) for the others. It is traced with
+the op's traced arguments (fake tensors, symbolic sizes) into the backward
+graph, once for dI and once for dW, so it must be written in torch operations
+(ATen or custom ops with a fake implementation). Returning ``NotImplemented``
+declines: the op then runs whole in dI, reported as weight work in B. A rule
+whose outputs differ in dtype or shape from the op's fails the region's
+compile with a message naming the rule.
+
+Ops with an ``output_mask`` argument (``convolution_backward`` and friends)
+need no rule: the split runs them twice with complementary masks. A rule
+registered for such an op takes precedence.
+
+Rules are keyed by operator name, so a rule can be registered for an op that
+does not exist yet (or never will, when the library that defines it is not
+installed); it applies only when the op appears in a backward graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxsplit import _torch_internals as ti
+from fxsplit.passes.shared import op_name
+
+__all__ = ["SplitRule", "register_split_rule", "split_rules", "trace_split_rule", "unregister_split_rule"]
+
+SplitRule = Callable[..., Any]
+"""``rule(outputs: frozenset[int], *args, **kwargs) -> sequence`` (one entry per
+op output), or ``NotImplemented`` to decline."""
+
+_RULES: dict[str, SplitRule] = {}
+_LOCK = threading.Lock()
+
+
+def _key(op: Any) -> str:
+    """``"ns::name"`` (every overload) or ``"ns::name.overload"`` (one overload)."""
+    if isinstance(op, str):
+        if "::" not in op:
+            raise ValueError(f"fxsplit: a split rule's op name must be 'namespace::name[.overload]', got {op!r}")
+        return op
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    if isinstance(op, torch._ops.OpOverload):
+        return op_name(op)
+    raise TypeError(
+        f"fxsplit: register_split_rule needs an operator (torch.ops.ns.name[.overload]) or its "
+        f"name 'ns::name[.overload]', got {type(op).__name__}"
+    )
+
+
+def register_split_rule(op: Any, rule: SplitRule | None = None) -> Any:
+    """Declare how to compute only some outputs of ``op`` (see the module docs).
+
+    ``op`` is an operator (``torch.ops.ns.name`` for every overload,
+    ``torch.ops.ns.name.overload`` for one) or its name
+    (``"ns::name[.overload]"``). A rule for one overload wins over a rule for
+    all. Registering again replaces the rule. Usable as a decorator
+    (``@fxsplit.register_split_rule(op)``). Applies to regions compiled after
+    the call.
+    """
+    key = _key(op)
+    if rule is None:
+        return lambda fn: register_split_rule(op, fn)
+    if not callable(rule):
+        raise TypeError(f"fxsplit: a split rule must be callable, got {type(rule).__name__}")
+    with _LOCK:
+        _RULES[key] = rule
+    return rule
+
+
+def unregister_split_rule(op: Any) -> None:
+    """Remove the rule registered for exactly ``op`` (a no-op when there is none)."""
+    with _LOCK:
+        _RULES.pop(_key(op), None)
+
+
+def split_rules() -> dict[str, SplitRule]:
+    """The registered rules, by operator name (a copy)."""
+    with _LOCK:
+        return dict(_RULES)
+
+
+def _rule_for(target: Any) -> SplitRule | None:
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return None
+    with _LOCK:
+        return _RULES.get(op_name(target)) or _RULES.get(schema.name)
+
+
+class _Declined(Exception):
+    """Raised out of tracing when a rule returns ``NotImplemented``."""
+
+
+def trace_split_rule(node: fx.Node, outputs: frozenset[int]) -> fx.GraphModule | None:
+    """The graph computing ``outputs`` of ``node`` by its registered rule, or
+    ``None`` when no rule is registered or the rule declines.
+
+    This is the ``rule`` argument :func:`fxsplit.passes.split_backward` takes
+    (:data:`fxsplit.passes.shared.OutputSubset`): placeholders are
+    ``node.all_input_nodes``, outputs the requested ones in index order.
+    """
+    rule = _rule_for(node.target)
+    if rule is None:
+        return None
+    inputs = list(node.all_input_nodes)
+    num_returns = len(node.target._schema.returns)
+    wanted = sorted(outputs)
+
+    def only_outputs(*values: Any) -> tuple[Any, ...]:
+        env = dict(zip(inputs, values))
+        args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+        result = rule(outputs, *args, **kwargs)
+        if result is NotImplemented:
+            raise _Declined
+        if not isinstance(result, (tuple, list)) or len(result) != num_returns:
+            raise TypeError(
+                f"fxsplit: the split rule for {op_name(node.target)} must return {num_returns} values "
+                f"(one per output of the op), got {type(result).__name__}"
+                + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else "")
+            )
+        for i in wanted:
+            if not isinstance(result[i], torch.Tensor):
+                raise TypeError(
+                    f"fxsplit: the split rule for {op_name(node.target)} returned "
+                    f"{type(result[i]).__name__} for output {i}, which was asked for"
+                )
+        return tuple(result[i] for i in wanted)
+
+    try:
+        return ti.trace_on_values(only_outputs, [n.meta["val"] for n in inputs])
+    except _Declined:
+        return None
+
+
+# ---- rules shipped with fxsplit ---------------------------------------------------
+#
+# transformers' MoE experts on CPU (and wherever torch's grouped_mm cannot be
+# used) run ``transformers::grouped_mm_fallback``, whose backward is one custom
+# op returning (grad_input, grad_weight). Its rule needs no import of
+# transformers: it applies only when that op is in a backward graph, and the
+# input-gradient half calls transformers' own forward op, which the same
+# transformers module defines.
+
+
+@torch.library.custom_op("fxsplit::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grad_weight[g] = input[rows of g].T @ grad_output[rows of g]`` for the
+    row groups ending at ``offs`` (a weight gradient of a grouped matmul,
+    computed exactly as transformers' fallback backward computes it)."""
+    grad_weight = input.new_zeros(offs.size(0), input.size(1), grad_output.size(1))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(input[start:end].T, grad_output[start:end], out=grad_weight[g])
+        start = end
+    return grad_weight
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return input.new_empty(offs.size(0), input.size(1), grad_output.size(1))
+
+
+def _transformers_grouped_mm_fallback_backward(
+    outputs: frozenset[int], input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor
+) -> Any:
+    grad_input = grad_weight = None
+    if 0 in outputs:
+        forward = getattr(getattr(torch.ops, "transformers"), "grouped_mm_fallback", None)
+        if forward is None:
+            return NotImplemented
+        # grad_input[rows of g] = grad_output[rows of g] @ weight[g].T: the forward grouped matmul.
+        grad_input = forward(grad_output, weight.transpose(1, 2), offs)
+    if 1 in outputs:
+        grad_weight = torch.ops.fxsplit.grouped_mm_weight_grad(input, grad_output, offs)
+    return grad_input, grad_weight
+
+
+register_split_rule("transformers::grouped_mm_fallback_backward", _transformers_grouped_mm_fallback_backward)
