@@ -45,7 +45,14 @@ import torch.fx as fx
 from fxsplit import _torch_internals as ti
 from fxsplit.passes.shared import op_name
 
-__all__ = ["SplitRule", "register_split_rule", "split_rules", "trace_split_rule", "unregister_split_rule"]
+__all__ = [
+    "SplitRule",
+    "grouped_mm_backward_rule",
+    "register_split_rule",
+    "split_rules",
+    "trace_split_rule",
+    "unregister_split_rule",
+]
 
 SplitRule = Callable[..., Any]
 """``rule(outputs: frozenset[int], *args, **kwargs) -> sequence`` (one entry per
@@ -159,18 +166,37 @@ def trace_split_rule(node: fx.Node, outputs: frozenset[int]) -> fx.GraphModule |
 # ---- rules shipped with fxsplit ---------------------------------------------------
 #
 # transformers' MoE experts on CPU (and wherever torch's grouped_mm cannot be
-# used) run ``transformers::grouped_mm_fallback``, whose backward is one custom
-# op returning (grad_input, grad_weight). Its rule needs no import of
-# transformers: it applies only when that op is in a backward graph, and the
-# input-gradient half calls transformers' own forward op, which the same
-# transformers module defines.
+# used) run ``transformers::grouped_mm_fallback(input, weight, offs)``, whose
+# backward is one custom op returning (grad_input, grad_weight). Its rule uses
+# two ops of fxsplit's own, each computing one of the two gradients exactly as
+# that backward does (the same matmul per group of rows, into the same layout),
+# so the split gradients equal the unsplit ones bit for bit. Nothing here
+# imports transformers: the rule applies only when the op is in a backward graph.
+
+
+@torch.library.custom_op("fxsplit::grouped_mm_input_grad", mutates_args=())
+def _grouped_mm_input_grad(grad_output: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grad_input[rows of g] = grad_output[rows of g] @ weight[g].T`` for the
+    row groups ending at ``offs`` (``weight``: ``(groups, in, out)``); rows past
+    the last offset are zero."""
+    grad_input = grad_output.new_zeros(grad_output.size(0), weight.size(1))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(grad_output[start:end], weight[g].T, out=grad_input[start:end])
+        start = end
+    return grad_input
+
+
+@_grouped_mm_input_grad.register_fake
+def _(grad_output: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return grad_output.new_empty(grad_output.size(0), weight.size(1))
 
 
 @torch.library.custom_op("fxsplit::grouped_mm_weight_grad", mutates_args=())
 def _grouped_mm_weight_grad(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``grad_weight[g] = input[rows of g].T @ grad_output[rows of g]`` for the
-    row groups ending at ``offs`` (a weight gradient of a grouped matmul,
-    computed exactly as transformers' fallback backward computes it)."""
+    row groups ending at ``offs``; groups without rows get zeros."""
     grad_weight = input.new_zeros(offs.size(0), input.size(1), grad_output.size(1))
     start = 0
     for g, end in enumerate(offs.tolist()):
@@ -185,19 +211,16 @@ def _(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> tor
     return input.new_empty(offs.size(0), input.size(1), grad_output.size(1))
 
 
-def _transformers_grouped_mm_fallback_backward(
+def grouped_mm_backward_rule(
     outputs: frozenset[int], input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_output: torch.Tensor
-) -> Any:
-    grad_input = grad_weight = None
-    if 0 in outputs:
-        forward = getattr(getattr(torch.ops, "transformers"), "grouped_mm_fallback", None)
-        if forward is None:
-            return NotImplemented
-        # grad_input[rows of g] = grad_output[rows of g] @ weight[g].T: the forward grouped matmul.
-        grad_input = forward(grad_output, weight.transpose(1, 2), offs)
-    if 1 in outputs:
-        grad_weight = torch.ops.fxsplit.grouped_mm_weight_grad(input, grad_output, offs)
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Split rule for ``(input, weight, offs, grad_output) -> (grad_input, grad_weight)``
+    backward ops of a grouped matmul ``out[rows of g] = input[rows of g] @ weight[g]``
+    (``weight``: ``(groups, in, out)``; ``offs``: cumulative row counts), such as
+    ``transformers::grouped_mm_fallback_backward``."""
+    grad_input = torch.ops.fxsplit.grouped_mm_input_grad(grad_output, weight, offs) if 0 in outputs else None
+    grad_weight = torch.ops.fxsplit.grouped_mm_weight_grad(input, grad_output, offs) if 1 in outputs else None
     return grad_input, grad_weight
 
 
-register_split_rule("transformers::grouped_mm_fallback_backward", _transformers_grouped_mm_fallback_backward)
+register_split_rule("transformers::grouped_mm_fallback_backward", grouped_mm_backward_rule)
