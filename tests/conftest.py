@@ -1,5 +1,12 @@
 """Shared pytest setup for the fxsplit suite.
 
+* The whole suite runs with ``fallback="error"``: ``FXSPLIT_FALLBACK=error``
+  in the environment (so spawned pipelining ranks inherit it) and
+  ``fxsplit.config.fallback = "error"``, which every backend without an
+  explicit ``fallback=`` follows, the plain ``backend="fxsplit"`` string
+  included. A region that cannot be compiled raises instead of passing
+  through an eager fallback; only tests of the fallback itself ask for
+  ``fallback="eager"``, and every other test fails if a fallback was recorded.
 * Every test starts with a fresh Dynamo state (``torch._dynamo.reset()``), so
   compiled regions, recompile counters and automatic-dynamic decisions do not
   leak between tests, and with ``torch.manual_seed(0)``.
@@ -9,13 +16,24 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import torch._dynamo
+import os
+
+os.environ["FXSPLIT_FALLBACK"] = "error"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+import fxsplit  # noqa: E402
+
+fxsplit.config.fallback = "error"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "inductor: compiles with the real Inductor (C++ on CPU); slower")
+    config.addinivalue_line(
+        "markers", "fallback: a test of the eager fallback itself (it may record fallbacks)"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -24,3 +42,13 @@ def _fresh_dynamo() -> None:
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _no_silent_fallback(request: pytest.FixtureRequest) -> None:
+    """Fail any test (but the fallback tests) during which a region fell back to eager."""
+    before = len(fxsplit.fallbacks())
+    yield
+    if request.node.get_closest_marker("fallback") is None:
+        new = fxsplit.fallbacks()[before:]
+        assert not new, f"regions fell back to eager: {[str(r) for r in new]}"

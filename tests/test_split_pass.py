@@ -7,25 +7,35 @@ then the gradient computation, then one output returning a flat tuple.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, free_symbols
 from torch.testing import assert_close
 
-from fxsplit.passes import SplitError, normalized_graph_code, split_backward
+from fxsplit.passes import SplitError, SplitRuleError, normalized_graph_code, split_backward
 
 aten = torch.ops.aten
 
 
 class GraphBuilder:
-    """A thin helper: placeholders carry ``meta["val"]``, nodes get the names we give them."""
+    """A thin helper: placeholders carry ``meta["val"]``, nodes get the names we give them.
 
-    def __init__(self) -> None:
+    With a ``FakeTensorMode`` (and its ``ShapeEnv``), values are fake tensors
+    whose sizes may be symbolic, as in AOTAutograd's dynamic-shape graphs.
+    """
+
+    def __init__(self, mode: FakeTensorMode | None = None) -> None:
         self.graph = fx.Graph()
+        self.mode = mode
 
     def input(self, name: str, val: Any) -> fx.Node:
         node = self.graph.placeholder(name)
@@ -35,7 +45,10 @@ class GraphBuilder:
     def op(self, name: str, target: Any, *args: Any) -> fx.Node:
         node = self.graph.create_node("call_function", target, args, {}, name=name)
         vals = fx.map_arg(args, lambda a: a.meta["val"])
-        if not any(isinstance(v, torch.SymInt) for v in vals):
+        if self.mode is not None:
+            with self.mode:
+                node.meta["val"] = target(*vals)
+        elif not any(isinstance(v, torch.SymInt) for v in vals):
             node.meta["val"] = target(*vals)  # as AOTAutograd's fake-tensor metadata would be
         return node
 
@@ -234,3 +247,211 @@ def test_constant_output_raises() -> None:
     x = b.input("x", torch.randn(2))
     with pytest.raises(SplitError, match="constant"):
         split_backward(b.done(x, 3.0), [0])
+
+
+# ---- symbolic sizes ---------------------------------------------------------------
+
+
+def symbolic_mode() -> tuple[FakeTensorMode, Callable[[str, int], torch.SymInt]]:
+    """A fake mode with a shape environment, and a maker of its size symbols."""
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+
+    def size(name: str, hint: int) -> torch.SymInt:
+        sym = shape_env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return shape_env.create_symintnode(sym, hint=hint)
+
+    return mode, size
+
+
+def unbound_symbols(gm: fx.GraphModule) -> set[sympy.Symbol]:
+    """Size symbols a graph's placeholders or nodes mention that no SymInt
+    placeholder binds (holds exactly that symbol): what Inductor cannot compile."""
+    bound, mentioned = set(), set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if val is None or n.op == "output":
+            continue
+        if n.op == "placeholder" and isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+            bound.add(val.node.expr)
+        mentioned |= set(free_symbols(val))
+    return mentioned - bound
+
+
+def flattened_linear_backward() -> tuple[fx.GraphModule, list[Any], tuple[torch.SymInt, torch.SymInt]]:
+    """Backward of a Linear on a ``[s0, s1, 4]`` activation, as AOTAutograd writes it:
+    the SymInts s0 and s1 are inputs, the saved activation is flattened to
+    ``[s0*s1, 4]``, and the gradient flowing into the Linear is ``[s0*s1, 5]``.
+    Returns the graph, real arguments for it (s0=2, s1=3) and the symbols."""
+    mode, size = symbolic_mode()
+    s0, s1 = size("s0", 2), size("s1", 3)
+    b = GraphBuilder(mode)
+    n0, n1 = b.input("s0", s0), b.input("s1", s1)
+    with mode:
+        x = b.input("x", torch.empty(s0 * s1, 4))
+        w = b.input("w", torch.empty(5, 4))
+        g = b.input("tangents", torch.empty(s0, s1, 5))
+    rows = b.op("rows", operator.mul, n0, n1)
+    g2 = b.op("g2", aten.view.default, g, [rows, 5])
+    dx2 = b.op("dx2", aten.mm.default, g2, w)
+    dx = b.op("dx", aten.view.default, dx2, [n0, n1, 4])
+    g2t = b.op("g2t", aten.t.default, g2)
+    dw = b.op("dw", aten.mm.default, g2t, x)
+    args = [2, 3, torch.randn(6, 4), torch.randn(5, 4), torch.randn(2, 3, 5)]
+    return b.done(None, None, dx, None, dw), args, (s0, s1)
+
+
+def test_dw_receives_the_symints_that_define_its_sizes() -> None:
+    """dW reads [s0*s1, .] tensors: it must also take s0 and s1 (a product binds
+    neither), as AOTAutograd's partitioner gives them to the backward."""
+    bw, args, (s0, s1) = flattened_linear_backward()
+    split = split_backward(bw, [4])
+    assert [(l.name, l.source, l.kind) for l in split.live_ins] == [
+        ("s0", "input", "symint"),
+        ("s1", "input", "symint"),
+        ("x", "input", "tensor"),
+        ("g2", "dI", "tensor"),
+    ]
+    assert unbound_symbols(split.dw_graph) == set()
+    assert unbound_symbols(split.di_graph) == set()
+    check_contract(bw, [4], args)
+
+
+def test_a_value_dw_reads_only_for_its_size_crosses_as_a_symint() -> None:
+    """dW divides by the row count of a dI intermediate: the row count crosses
+    (a SymInt computed in dI), not the intermediate tensor."""
+    mode, size = symbolic_mode()
+    s0 = size("s0", 4)
+    b = GraphBuilder(mode)
+    n0 = b.input("s0", s0)
+    with mode:
+        x = b.input("x", torch.empty(s0, 3))
+        w = b.input("w", torch.empty(2, 3))
+        g = b.input("tangents", torch.empty(s0, 2))
+    dx = b.op("dx", aten.mm.default, g, w)
+    h = b.op("h", aten.relu.default, dx)
+    rows = b.op("rows", aten.sym_size.int, h, 0)
+    gt = b.op("gt", aten.t.default, g)
+    dw_sum = b.op("dw_sum", aten.mm.default, gt, x)
+    dw = b.op("dw", aten.div.Tensor, dw_sum, rows)
+    bw = b.done(None, h, None, dw)
+    split = split_backward(bw, [3])
+    assert [(l.name, l.source, l.kind) for l in split.live_ins] == [
+        ("x", "input", "tensor"),
+        ("tangents", "input", "tensor"),
+        ("rows", "dI", "symint"),
+    ]
+    assert node_names(split.dw_graph) == {"gt", "dw_sum", "dw"}
+    assert unbound_symbols(split.dw_graph) == set()  # rows is s0 itself, so it binds s0
+    check_contract(bw, [3], [4, torch.randn(4, 3), torch.randn(2, 3), torch.randn(4, 2)])
+
+
+# ---- multi-output nodes -------------------------------------------------------------
+
+
+@torch.library.custom_op("fxsplit_test::linear_backward", mutates_args=())
+def linear_backward_op(x: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_input, grad_weight) of ``x @ w.T`` in one call, like transformers'
+    grouped-mm fallback backward."""
+    return grad_out @ w, grad_out.T @ x
+
+
+@linear_backward_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return grad_out.new_empty(grad_out.shape[0], w.shape[1]), grad_out.new_empty(w.shape)
+
+
+def fused_op_backward() -> fx.GraphModule:
+    """Backward of a Linear whose input and weight gradients come from one
+    custom-op call; returns (dx, dw)."""
+    b = GraphBuilder()
+    x = b.input("x", torch.randn(4, 3))
+    w = b.input("w", torch.randn(2, 3))
+    g = b.input("tangents", torch.randn(4, 2))
+    both = b.op("both", torch.ops.fxsplit_test.linear_backward.default, x, w, g)
+    dx = b.op("dx", operator.getitem, both, 0)
+    dw = b.op("dw", operator.getitem, both, 1)
+    return b.done(dx, dw)
+
+
+def test_multi_output_op_without_rule_stays_in_di_and_crosses_leaf_by_leaf() -> None:
+    """No rule: the node runs whole in dI (correct, but its weight work runs in
+    B, which the result reports); what crosses is the weight-gradient leaf, a
+    tensor, never the tuple."""
+    bw = fused_op_backward()
+    split = split_backward(bw, [1])
+    assert [(l.name, l.source, l.kind) for l in split.live_ins] == [("dw", "dI", "tensor")]
+    assert node_names(split.dw_graph) == set()
+    (shared,) = split.weight_work_in_di
+    assert (shared.name, shared.op, shared.di_outputs, shared.dw_outputs, shared.how) == (
+        "both", "fxsplit_test::linear_backward", (0,), (1,), "unsplit"
+    )
+    assert "weight work in dI: both (fxsplit_test::linear_backward)" in split.describe()
+    check_contract(bw, [1], placeholder_vals(bw))
+
+
+def hand_rule(wrong_shape: bool = False) -> Callable[[fx.Node, frozenset[int]], fx.GraphModule | None]:
+    """A split rule for ``fxsplit_test::linear_backward`` written as FX graphs by
+    hand: output 0 is ``grad_out @ w``, output 1 is ``grad_out.T @ x``."""
+
+    def rule(node: fx.Node, outputs: frozenset[int]) -> fx.GraphModule | None:
+        if node.target is not torch.ops.fxsplit_test.linear_backward.default:
+            return None
+        b = GraphBuilder()
+        x, w, g = (b.input(f"in{k}", a.meta["val"]) for k, a in enumerate(node.all_input_nodes))
+        outs = []
+        if 0 in outputs:
+            outs.append(b.op("rule_dx", aten.mm.default, g, w))
+        if 1 in outputs:
+            gt = b.op("rule_gt", aten.t.default, g)
+            outs.append(b.op("rule_dw", aten.mm.default, gt, x if not wrong_shape else g))
+        return b.done(*outs)
+
+    return rule
+
+
+def test_multi_output_op_split_by_a_rule() -> None:
+    bw = fused_op_backward()
+    split = split_backward(bw, [1], rule=hand_rule())
+    assert node_names(split.di_graph) == {"rule_dx"}
+    assert node_names(split.dw_graph) == {"rule_gt", "rule_dw"}
+    assert [(l.name, l.kind) for l in split.live_ins] == [("x", "tensor"), ("tangents", "tensor")]
+    assert [s.how for s in split.shared] == ["rule"] and split.weight_work_in_di == ()
+    assert normalized_graph_code(bw).count("fxsplit_test.linear_backward") == 1  # input untouched
+    check_contract(bw, [1], placeholder_vals(bw))
+
+
+def test_rule_with_wrong_output_shape_is_refused() -> None:
+    bw = fused_op_backward()
+    before = normalized_graph_code(bw)
+    with pytest.raises(SplitRuleError, match=r"output 1 of both should be torch.float32 \(2, 3\).*\(2, 2\)"):
+        split_backward(bw, [1], rule=hand_rule(wrong_shape=True))
+    assert normalized_graph_code(bw) == before
+
+
+def test_rule_that_does_not_apply_leaves_the_node_whole() -> None:
+    bw = fused_op_backward()
+    split = split_backward(bw, [1], rule=lambda node, outputs: None)
+    assert [s.how for s in split.shared] == ["unsplit"]
+    check_contract(bw, [1], placeholder_vals(bw))
+
+
+def test_rule_applies_to_symbolic_sizes() -> None:
+    """A rule splits a node whose values have symbolic sizes; dW still binds them."""
+    mode, size = symbolic_mode()
+    s0 = size("s0", 5)
+    b = GraphBuilder(mode)
+    n0 = b.input("s0", s0)
+    with mode:
+        x = b.input("x", torch.empty(s0 * 2, 3))
+        w = b.input("w", torch.empty(2, 3))
+        g = b.input("tangents", torch.empty(s0 * 2, 2))
+    both = b.op("both", torch.ops.fxsplit_test.linear_backward.default, x, w, g)
+    dx = b.op("dx", operator.getitem, both, 0)
+    dw = b.op("dw", operator.getitem, both, 1)
+    bw = b.done(None, dx, dw)
+    with mode:
+        split = split_backward(bw, [2], rule=hand_rule())
+    assert [(l.name, l.kind) for l in split.live_ins] == [("s0", "symint"), ("x", "tensor"), ("tangents", "tensor")]
+    assert unbound_symbols(split.dw_graph) == set()
+    check_contract(bw, [2], [5, torch.randn(10, 3), torch.randn(2, 3), torch.randn(10, 2)])
