@@ -14,7 +14,7 @@
 from fxsplit import config
 from fxsplit.api import PendingWeightGrads, explain, stage_backward, stage_backward_input, stage_backward_weight
 from fxsplit.backend import BackendOptions, FallbackRecord, FxsplitCompileError, backend, compiled_regions, fallbacks
-from fxsplit.split_rules import register_split_rule, split_rules, unregister_split_rule
+from fxsplit.rules import register_split_rule, split_rules, unregister_split_rule
 
 __version__ = "0.1.0"
 

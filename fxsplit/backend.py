@@ -30,7 +30,7 @@ from fxsplit import _torch_internals as ti
 from fxsplit import config
 from fxsplit.passes import SplitResult, split_backward
 from fxsplit.runtime import CompiledSplitBackward
-from fxsplit.split_rules import trace_split_rule
+from fxsplit.rules import trace_split_rule
 
 log = logging.getLogger("fxsplit")
 
