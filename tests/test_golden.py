@@ -31,11 +31,11 @@ from fxsplit.passes import normalized_graph_code
 GOLDEN_TORCH = "2.13.0"
 
 
-def split_of(module: nn.Module, *inputs: torch.Tensor) -> tuple[str, str, str]:
+def split_of(module: nn.Module, *inputs: torch.Tensor, dynamic: bool | None = None) -> tuple[str, str, str]:
     """(dI code, dW code, live-ins) of the backward of ``module`` compiled on ``inputs``."""
     torch._dynamo.reset()
     n_before = len(fxsplit.compiled_regions())
-    cm = torch.compile(module, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    cm = torch.compile(module, backend=fxsplit.backend(compiler="eager", fallback="error"), dynamic=dynamic)
     cm(*inputs)
     regions = fxsplit.compiled_regions()[n_before:]
     assert len(regions) == 1, f"expected one compiled region, got {len(regions)}"
@@ -138,6 +138,36 @@ primals_3 (input, tensor)
 mul_2 (input, tensor)
 tangents_1 (input, tensor)
 mul_9 (dI, tensor)
+""")
+
+    def test_mlp_3d_dynamic(self) -> None:
+        """``[batch, seq, dim]`` with ``dynamic=True``: dW reads ``[batch*seq, .]``
+        tensors, so it also takes the SymInts of batch and seq (the first two live-ins)."""
+        _, dw, live = split_of(zoo.MLP(4, 8), torch.randn(2, 3, 4, requires_grad=True), dynamic=True)
+        self.assertExpectedInline(dw, """\
+in0 = input()
+in1 = input()
+in2 = input()
+in3 = input()
+in4 = input()
+in5 = input()
+v0 = aten.permute.default(in4, [1, 0])
+v1 = aten.mm.default(v0, in3)
+v2 = aten.sum.dim_IntList(in4, [0], True)
+v3 = aten.view.default(v2, [4])
+v4 = aten.permute.default(in5, [1, 0])
+v5 = aten.mm.default(v4, in2)
+v6 = aten.sum.dim_IntList(in5, [0], True)
+v7 = aten.view.default(v6, [8])
+return (v5, v7, v1, v3)
+""")
+        self.assertExpectedInline(live, """\
+primals_3 (input, symint)
+primals_4 (input, symint)
+view (input, tensor)
+view_2 (input, tensor)
+view_4 (dI, tensor)
+view_7 (dI, tensor)
 """)
 
     def test_layernorm_linear(self) -> None:
