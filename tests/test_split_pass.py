@@ -455,3 +455,21 @@ def test_rule_applies_to_symbolic_sizes() -> None:
     assert [(l.name, l.kind) for l in split.live_ins] == [("s0", "symint"), ("x", "tensor"), ("tangents", "tensor")]
     assert unbound_symbols(split.dw_graph) == set()
     check_contract(bw, [2], [5, torch.randn(10, 3), torch.randn(2, 3), torch.randn(10, 2)])
+
+
+def _second(pair: Any) -> Any:
+    return pair[1]
+
+
+def test_a_tuple_that_would_cross_is_refused() -> None:
+    """Something other than ``getitem`` reading a multi-output node's tuple in
+    dW would make the tuple itself a live-in: refused, naming the value."""
+    b = GraphBuilder()
+    x = b.input("x", torch.randn(4, 3))
+    w = b.input("w", torch.randn(2, 3))
+    g = b.input("tangents", torch.randn(4, 2))
+    both = b.op("both", torch.ops.fxsplit_test.linear_backward.default, x, w, g)
+    dx = b.op("dx", operator.getitem, both, 0)
+    dw = b.op("dw", _second, both)
+    with pytest.raises(SplitError, match="both .* would cross from dI to dW as a tuple"):
+        split_backward(b.done(dx, dw), [1])

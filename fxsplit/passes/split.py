@@ -52,7 +52,7 @@ class LiveIn:
 
     name: str
     source: str
-    kind: str  # "tensor", "symint", "symfloat" or "symbool"
+    kind: str  # "tensor", "symint", "symfloat", "symbool" or "other" (an opaque object)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.source}, {self.kind})"
@@ -109,9 +109,9 @@ class SplitResult:
 
 
 def _kind(node: fx.Node) -> str:
-    """What a live-in is; raises :class:`SplitError` for anything but a tensor
-    or a size scalar (a tuple here means a multi-output node was not broken
-    into its ``getitem`` leaves)."""
+    """What a live-in is. Raises :class:`SplitError` for a tuple or list: that
+    would be a multi-output node crossing whole instead of its ``getitem``
+    leaves, which compiled graphs cannot return."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return "tensor"
@@ -121,10 +121,12 @@ def _kind(node: fx.Node) -> str:
         return "symint"
     if isinstance(val, (torch.SymFloat, float)):
         return "symfloat"
-    raise SplitError(
-        f"value {node.name} ({node.op} {node.target}) would cross from dI to dW but is a "
-        f"{type(val).__name__}, not a tensor or a SymInt"
-    )
+    if isinstance(val, (tuple, list)):
+        raise SplitError(
+            f"value {node.name} ({node.target}) would cross from dI to dW as a "
+            f"{type(val).__name__}; only tensors and SymInts can cross"
+        )
+    return "other"  # an opaque object (e.g. a compiled-autograd BackwardState)
 
 
 def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
