@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import register_flop_formula
 
 from fxsplit import _torch_internals as ti
 from fxsplit.passes.shared import op_name
@@ -170,8 +171,10 @@ def trace_split_rule(node: fx.Node, outputs: frozenset[int]) -> fx.GraphModule |
 # backward is one custom op returning (grad_input, grad_weight). Its rule uses
 # two ops of fxsplit's own, each computing one of the two gradients exactly as
 # that backward does (the same matmul per group of rows, into the same layout),
-# so the split gradients equal the unsplit ones bit for bit. Nothing here
-# imports transformers: the rule applies only when the op is in a backward graph.
+# so the split gradients equal the unsplit ones bit for bit, and each has a
+# FlopCounterMode formula (2 * rows * in * out: the matmul work of one
+# gradient). Nothing here imports transformers: the rule applies only when the
+# op is in a backward graph.
 
 
 @torch.library.custom_op("fxsplit::grouped_mm_input_grad", mutates_args=())
@@ -209,6 +212,20 @@ def _grouped_mm_weight_grad(input: torch.Tensor, grad_output: torch.Tensor, offs
 @_grouped_mm_weight_grad.register_fake
 def _(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return input.new_empty(offs.size(0), input.size(1), grad_output.size(1))
+
+
+@register_flop_formula(torch.ops.fxsplit.grouped_mm_input_grad)
+def _grouped_mm_input_grad_flops(grad_output_shape: Any, weight_shape: Any, offs_shape: Any, **kwargs: Any) -> int:
+    # Each row of grad_output is multiplied by one (out x in) expert matrix.
+    rows, out_features = grad_output_shape
+    return 2 * rows * out_features * weight_shape[1]
+
+
+@register_flop_formula(torch.ops.fxsplit.grouped_mm_weight_grad)
+def _grouped_mm_weight_grad_flops(input_shape: Any, grad_output_shape: Any, offs_shape: Any, **kwargs: Any) -> int:
+    # Each row contributes one (in x out) outer product to its expert's gradient.
+    rows, in_features = input_shape
+    return 2 * rows * in_features * grad_output_shape[1]
 
 
 def grouped_mm_backward_rule(

@@ -321,3 +321,26 @@ def test_torch_grouped_mm_backward_lands_in_di_and_dw(compiler: str) -> None:
     assert ops_in(split.di_graph).count("aten._grouped_mm.default") == 2
     assert ops_in(split.dw_graph).count("aten._grouped_mm.default") == 2
     assert split.shared == ()
+
+
+def test_shipped_rule_puts_weight_flops_in_w(clean_rules: None) -> None:
+    """With the shipped rule, B counts only input-gradient grouped matmuls and W
+    only weight-gradient ones (FlopCounterMode formulas of fxsplit's two ops:
+    2 * rows * in * out each), and B + W is the matmul work of the two fused
+    backward calls (two gradients each)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    fxsplit.register_split_rule("fxsplit_test::grouped_mm_backward", rules.grouped_mm_backward_rule)
+    model = Experts(torch.ops.fxsplit_test.grouped_mm)
+    stage = torch.compile(model, backend=fxsplit.backend(compiler="eager", fused_backward=False))
+    x = torch.randn(10, 16, requires_grad=True)
+    out = stage(x, torch.tensor([3, 3, 10]))
+    with FlopCounterMode(display=False) as b_count:
+        _, work = fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], model.parameters())
+    with FlopCounterMode(display=False) as w_count:
+        fxsplit.stage_backward_weight(model.parameters(), work)
+    b_ops = {str(op): n for op, n in b_count.get_flop_counts()["Global"].items()}
+    w_ops = {str(op): n for op, n in w_count.get_flop_counts()["Global"].items()}
+    per_gradient = 2 * 10 * 16 * 32  # rows * in * out, the same for both matmuls of the MLP
+    assert b_ops == {"fxsplit.grouped_mm_input_grad": 2 * per_gradient}
+    assert w_ops == {"fxsplit.grouped_mm_weight_grad": 2 * per_gradient}
