@@ -244,3 +244,14 @@ def dynamo_control_flow_exceptions() -> tuple[type[BaseException], ...]:
         exc.ShortenTraceback,
         *exc.exceptions_allowed_to_be_fallback,
     )
+
+
+def dynamo_compile_id() -> str | None:
+    """The id Dynamo gives the frame compile in progress (``"0/1"``: frame 0,
+    second compile), as its logs (``TORCH_LOGS=recompiles,graph_breaks``) print
+    it; ``None`` outside a Dynamo compile. Relies on
+    ``torch._guards.CompileContext.current_compile_id``."""
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return str(cid) if cid is not None else None

@@ -78,16 +78,19 @@ class FallbackRecord:
     ``graph`` is the step that failed: ``"aot"`` (AOTAutograd tracing and
     partitioning, before any graph of ours), ``"forward"``, ``"split"`` (the
     split pass), ``"dI"``, ``"dW"`` or ``"fused"`` (compiling that graph).
-    ``message`` is the first line of the exception.
+    ``message`` is the first line of the exception; ``compile_id`` is Dynamo's
+    id of the frame compile (``"0/1"``), as its logs print it.
     """
 
     region: str
     graph: str
     exception: str
     message: str
+    compile_id: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.region}: {_GRAPHS.get(self.graph, self.graph)} failed ({self.exception}: {self.message})"
+        where = f"{self.region} (Dynamo compile {self.compile_id})" if self.compile_id else self.region
+        return f"{where}: {_GRAPHS.get(self.graph, self.graph)} failed ({self.exception}: {self.message})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +291,7 @@ def _compile_region(
 def _fall_back(build: _RegionBuild, e: Exception, mode: str) -> None:
     """Raise :class:`FxsplitCompileError` (``mode == "error"``) or record the
     fallback and log one short warning; the full traceback goes to DEBUG."""
-    record = FallbackRecord(build.name, build.graph, type(e).__name__, _first_line(e))
+    record = FallbackRecord(build.name, build.graph, type(e).__name__, _first_line(e), ti.dynamo_compile_id())
     if mode == "error":
         raise FxsplitCompileError(
             f"fxsplit: {record}. fallback='eager' would run the region eagerly instead",
