@@ -184,8 +184,6 @@ def _copy_graph(graph: fx.Graph, rets: Sequence[Any]) -> tuple[fx.Graph, list[An
     return new, new_rets
 
 
-
-
 def _movable_to_di(node: fx.Node, dw_nodes: Collection[fx.Node]) -> bool:
     """Whether ``node``, needed only by dW, is better computed in dI and crossed:
     nothing of what it reads is computed in dW, and it is free to compute and
