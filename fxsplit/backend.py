@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxsplit import _torch_internals as ti
+from fxsplit import _logging, _torch_internals as ti
 from fxsplit.runtime import CompiledSplitBackward
 from fxsplit.passes import split_backward
 
@@ -116,6 +116,7 @@ def _compile_split_backward(
     split = split_backward(bw, _weight_outputs(bw, is_param))
     ti.declare_no_donated_buffers()
     log.debug("fxsplit: %s split:\n%s", name, split.describe())
+    _logging.publish_split(name, split)  # fxsplit_graphs artifact and structured trace
 
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     static = set(kwargs.get("static_input_idxs") or ())
