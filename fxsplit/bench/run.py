@@ -161,7 +161,8 @@ def build_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
         "stderr; the table to stdout.",
     )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="default: bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU")
     p.add_argument("--model", default="gpt", choices=sorted(MODELS), help="default: gpt (a GPT-style middle stage)")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None, help="sequence length (gpt, mlp) or image side (conv)")
