@@ -11,8 +11,8 @@ Policy:
   with torch's format. So ``logging.getLogger("fxsplit").setLevel(logging.DEBUG)``
   alone prints, and after ``logging.basicConfig(...)`` each record is printed
   once, by your handler.
-* When ``TORCH_LOGS`` names ``fxsplit``, or once ``torch._logging.set_logs``
-  is called, torch manages the ``fxsplit`` log as it manages its own (``dynamo``,
+* When ``TORCH_LOGS`` names ``fxsplit``, or after a ``torch._logging.set_logs``
+  call made once fxsplit is imported (or one naming ``fxsplit``), torch manages the ``fxsplit`` log as it manages its own (``dynamo``,
   ``inductor``): torch's handler prints it on stderr (or to
   ``TORCH_LOGS_OUT``), it no longer propagates to the root logger, and its
   level is the one ``TORCH_LOGS``/``set_logs`` names (unnamed: the root
