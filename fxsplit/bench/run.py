@@ -831,6 +831,8 @@ def _verdict_line(name: str, t: dict[str, Any]) -> str:
     if sp:
         line += (f"; per-repetition ratio over {sp['n']} paired repetitions: median {sp['median']:.3f}, "
                  f"IQR {sp['q25']:.3f}-{sp['q75']:.3f}, min-max {sp['min']:.3f}-{sp['max']:.3f}")
+    else:
+        line += "; no spread recorded: results written by an older fxsplit bench, reliability unknown"
     line += ")"
     if t.get("unreliable_because"):
         line += f"\n    unreliable: {t['unreliable_because']}; rerun with more --reps on an idle machine"
@@ -898,6 +900,12 @@ def draw_chart(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _label_spec(values: Sequence[float]) -> str:
+    """Format of the value labels: three significant digits for the largest value, at least one decimal."""
+    top = max(values, default=0.0)
+    return ".1f" if top >= 10 else ".2f" if top >= 1 else ".3f"
+
+
 def chart_figure(result: dict[str, Any]) -> Any:
     """A matplotlib figure of the per-phase times and the memory figures (needs matplotlib).
 
@@ -936,8 +944,9 @@ def chart_figure(result: dict[str, Any]) -> Any:
     held = [mib(r["held_bytes"]) for r in modes]
     b1 = ax2.barh([y - 0.2 for y in ys], peak, height=0.4, color="#6366f1", label="peak during forward + backward")
     b2 = ax2.barh([y + 0.2 for y in ys], held, height=0.4, color="#ef4444", label="held from B to W (split modes)")
-    ax2.bar_label(b1, labels=[f" {v:.1f}" for v in peak], fontsize=8)
-    ax2.bar_label(b2, labels=[f" {v:.1f}" if r["held_bytes"] is not None else " -" for v, r in zip(held, modes)],
+    spec = _label_spec(peak + held)
+    ax2.bar_label(b1, labels=[f" {v:{spec}}" for v in peak], fontsize=8)
+    ax2.bar_label(b2, labels=[f" {v:{spec}}" if r["held_bytes"] is not None else " -" for v, r in zip(held, modes)],
                   fontsize=8)
     ax2.set_yticks(ys, names)
     ax2.invert_yaxis()
