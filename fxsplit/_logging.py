@@ -12,7 +12,8 @@ Policy:
   alone prints, and after ``logging.basicConfig(...)`` each record is printed
   once, by your handler.
 * When ``TORCH_LOGS`` names ``fxsplit``, or after a ``torch._logging.set_logs``
-  call made once fxsplit is imported (or one naming ``fxsplit``), torch manages the ``fxsplit`` log as it manages its own (``dynamo``,
+  call made once fxsplit is imported (or one naming ``fxsplit``), torch
+  manages the ``fxsplit`` log as it manages its own (``dynamo``,
   ``inductor``): torch's handler prints it on stderr (or to
   ``TORCH_LOGS_OUT``), it no longer propagates to the root logger, and its
   level is the one ``TORCH_LOGS``/``set_logs`` names (unnamed: the root
@@ -33,8 +34,8 @@ Policy:
   and ``fxsplit_<region>_split`` (JSON: outputs, live-ins, bytes).
 
 This module is the one place fxsplit reaches ``torch._logging``'s internals
-(``_internal.register_log``/``register_artifact``, the log state and
-handler setup); each use says what it relies on.
+(``_internal.register_log``/``register_artifact``, torch's handler
+bookkeeping); :func:`_register` says what it relies on.
 """
 
 from __future__ import annotations
