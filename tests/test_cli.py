@@ -74,6 +74,12 @@ def test_out_is_a_directory(tmp_path: pathlib.Path, capsys: pytest.CaptureFixtur
     assert "is a directory" in _error(["--out", str(tmp_path)], capsys)
 
 
+def test_out_cannot_be_written(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "cannot create" in _error(["--out", str(blocker / "results.json")], capsys)
+
+
 def test_quick_never_overwrites_a_full_run(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     full = tmp_path / "full.json"
     full.write_text(json.dumps({"settings": {"quick": False}, "modes": []}))

@@ -220,6 +220,12 @@ def _check_model(parser: argparse.ArgumentParser, cfg: ModelConfig, dtype: str) 
 def _check_out(parser: argparse.ArgumentParser, out: Path, quick: bool) -> None:
     if out.is_dir():
         parser.error(f"--out {out} is a directory; give the JSON file's path")
+    try:  # the results are written after minutes of work: find out now whether they can be
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot create {out.parent} ({e.strerror})")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        parser.error(f"--out {out}: not writable")
     if quick and out.is_file():
         try:
             previous = json.loads(out.read_text())
