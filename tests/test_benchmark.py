@@ -151,6 +151,7 @@ def test_quick_verdicts_carry_their_spread_and_are_unreliable(quick_result: tupl
         ([1.00, 1.04, 1.07, 1.06, 1.03, 1.08], False, "PASS", False),  # 1.05 inside the IQR
         ([1.10, 1.12, 1.11, 1.13, 1.12, 1.10], False, "MISS", True),
         ([1.00, 1.00, 1.00], False, "PASS", False),  # too few repetitions
+        ([0.5, 0.6, 0.8, 0.9, 0.95], False, "MISS", False),  # measured 1.4 (below) disagrees with the ratios
         ([1.9, 2.0, 1.95, 2.05, 1.98], True, "PASS", True),
         ([1.2, 1.6, 1.4, 1.7, 1.45], True, "MISS", False),
     ],
@@ -160,7 +161,8 @@ def test_timing_verdict_reliability(ratios: list[float], higher: bool, verdict: 
 
     name = "speedup_vs_inductor_upstream" if higher else "split_backward_vs_inductor"
     target = 1.5 if higher else 1.05
-    t = bench._timing_target(name, target, statistics.median(ratios), ratios, higher_is_better=higher)
+    measured = 1.4 if ratios == [0.5, 0.6, 0.8, 0.9, 0.95] else statistics.median(ratios)
+    t = bench._timing_target(name, target, measured, ratios, higher_is_better=higher)
     assert t["reliable"] is reliable and t["pass"] is (verdict == "PASS")
     assert t["verdict"] == verdict + ("" if reliable else " (unreliable)")
     line = bench._verdict_line(name, t)

@@ -757,18 +757,25 @@ def _timing_target(what: str, target: float, measured: float, ratios: Sequence[f
                    higher_is_better: bool) -> dict[str, Any]:
     """A timing target's verdict with the spread of the per-repetition ratios it rests on.
 
-    Unreliable when fewer than :data:`RELIABLE_MIN_REPS` repetitions pair up,
-    or when the target lies inside the interquartile range of the ratios (the
-    spread is wider than the margin between the measurement and the target:
-    the verdict flips within the middle half of the repetitions).
+    ``measured`` is the ratio of the two modes' median times. Unreliable when
+    fewer than :data:`RELIABLE_MIN_REPS` repetitions pair up, when the target
+    lies inside the interquartile range of the per-repetition ratios (the
+    spread is wider than the margin to the target: the verdict flips within
+    the middle half of the repetitions), or when the median per-repetition
+    ratio falls on the other side of the target than ``measured`` (the two
+    summaries of the same repetitions disagree).
     """
     ok = measured >= target if higher_is_better else measured <= target
     sp = _spread(ratios)
+    per_rep_ok = sp["median"] >= target if higher_is_better else sp["median"] <= target
     why = None
     if sp["n"] < RELIABLE_MIN_REPS:
         why = f"only {sp['n']} paired repetitions"
     elif sp["q25"] <= target <= sp["q75"]:
         why = f"the target {target:g} lies inside the interquartile range {sp['q25']:.3f}-{sp['q75']:.3f}"
+    elif per_rep_ok != ok:
+        why = (f"the median per-repetition ratio {sp['median']:.3f} and the ratio of the medians "
+               f"{measured:.3f} fall on opposite sides of the target {target:g}")
     return {
         "target": (">= " if higher_is_better else "<= ") + f"{target:g}", "measured": measured, "pass": ok,
         "what": TARGETS[what], "spread": sp, "reliable": why is None, "unreliable_because": why,
