@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +56,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         _, work = fxsplit.stage_backward_input([out], [torch.ones_like(out)], [x], module.parameters())
         fxsplit.stage_backward_weight(module.parameters(), work)
 
+    print(f"compiling {a.model} with backend='fxsplit' (forward, dI, dW and fused backward) ...", file=sys.stderr,
+          flush=True)
     fused()  # compile
+    print(f"timing {a.reps} + 5 warm-up rounds of ordinary and split steps ...", file=sys.stderr, flush=True)
     region = fxsplit.compiled_regions()[-1]
     graph: dict[str, list[float]] = {"fused": [], "dI": [], "dW": []}
     region._run_fused = _timed(graph["fused"], region._run_fused)

@@ -5,7 +5,10 @@
 Each rank holds two stages of a small GPT-style stack (V placement: rank r
 holds stages r and 2*world-1-r), each stage module compiled in place with the
 fxsplit backend, and drives them with the upstream ``ScheduleZBVZeroBubble``.
-Rank 0 prints the mean time of each action kind per stage (F forward,
+The first step compiles every stage (forward, dI, dW and fused backward
+graphs of each region; a minute or two on CPU): rank 0 prints each region
+as it is compiled and a line every 15 s until the step ends.
+Rank 0 then prints the mean time of each action kind per stage (F forward,
 I input-gradient backward, W weight-gradient backward), the bubble rate
 implied by the schedule's slot table (idle slots / all slots), and the
 bubble rate of the same schedule replayed with the measured action times.
@@ -15,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -66,6 +73,32 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         self._timed("W", lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def compile_progress(enabled: bool, every_s: float = 15.0) -> Iterator[None]:
+    """While the first step compiles: fxsplit's INFO line for each region compiled, and a heartbeat."""
+    if not enabled:
+        yield
+        return
+    log = logging.getLogger("fxsplit")
+    level = log.level
+    log.setLevel(logging.INFO)  # "fxsplit: compiled regionN with inductor: ..." per region
+    t0 = time.perf_counter()
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(every_s):
+            print(f"step 0: still compiling, {time.perf_counter() - t0:.0f} s", flush=True)
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beat.join()
+        log.setLevel(level)
 
 
 def slot_bubble_rate(order: dict[int, list[Any]]) -> float:
@@ -164,8 +197,12 @@ def main() -> None:
         dist.barrier()
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
-        # rank 0 holds the first and the last stage of the V
-        schedule.step(x, target=y, losses=losses) if rank == 0 else schedule.step()
+        if step == 0 and rank == 0:
+            print(f"step 0: compiling {n_stages} stages with compiler={args.compiler} "
+                  f"(each rank compiles its own two) ...", flush=True)
+        with compile_progress(step == 0 and rank == 0):
+            # rank 0 holds the first and the last stage of the V
+            schedule.step(x, target=y, losses=losses) if rank == 0 else schedule.step()
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.barrier()

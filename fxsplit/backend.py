@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxsplit import _logging, config
 from fxsplit import _torch_internals as ti
-from fxsplit import config
 from fxsplit.passes import SplitResult, split_backward
 from fxsplit.runtime import CompiledSplitBackward
 from fxsplit.rules import trace_split_rule
@@ -223,6 +223,7 @@ def _compile_split_backward(
     ti.declare_no_donated_buffers()
     log.debug("fxsplit: %s split:\n%s", name, split.describe())
     _report_weight_work_in_di(name, split)
+    _logging.publish_split(name, split)  # fxsplit_graphs artifact and structured trace
 
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     static = set(kwargs.get("static_input_idxs") or ())

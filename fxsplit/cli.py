@@ -9,8 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["OneLineErrorParser", "main"]
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``<prog>: error: <message> (see <prog> --help)``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 _COMMANDS = {"bench": "time, FLOPs and memory of the backward in six modes (eager / inductor / fxsplit, "
                       "ordinary and split)"}
@@ -19,7 +27,7 @@ _COMMANDS = {"bench": "time, FLOPs and memory of the backward in six modes (eage
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fxsplit <command> ...``; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="fxsplit", description="fxsplit command line")
+    parser = OneLineErrorParser(prog="fxsplit", description="fxsplit command line")
     parser.add_argument("command", choices=sorted(_COMMANDS),
                         help="; ".join(f"{k}: {v}" for k, v in _COMMANDS.items()))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="options of the command (see fxsplit <command> -h)")

@@ -5,6 +5,8 @@ No timing thresholds: only that every mode produced a number where it should.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -24,13 +26,21 @@ def _finite(v: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def quick_result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
+    """(result, stdout, stderr) of ``fxsplit bench --quick``."""
     out = tmp_path_factory.mktemp("bench") / "quick.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
     # through the console-script entry point, as `fxsplit bench --quick` runs it
-    rc = cli.main(["bench", "--quick", "--device", "cpu", "--out", str(out), "--no-chart"])
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = cli.main(["bench", "--quick", "--device", "cpu", "--out", str(out), "--no-chart"])
     assert rc == 0
     assert not out.with_suffix(".png").exists(), "--no-chart must not draw a chart"
-    return json.loads(out.read_text()), str(out)
+    return json.loads(out.read_text()), stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_result(quick_run: tuple[dict[str, Any], str, str]) -> tuple[dict[str, Any], str]:
+    return quick_run[0], quick_run[1]
 
 
 def test_json_top_level(quick_result: tuple[dict[str, Any], str]) -> None:
@@ -94,19 +104,95 @@ def test_split_flops_account_for_the_whole_backward(quick_result: tuple[dict[str
 
 
 def test_table_and_default_path(quick_result: tuple[dict[str, Any], str]) -> None:
-    r, _ = quick_result
+    r, stdout = quick_result
     table = bench.format_table(r)
+    assert table in stdout
     for key in bench.MODE_KEYS:
         assert key in table
     assert table.count("target ") == 3 and ("PASS" in table or "MISS" in table)
+    assert "MiB" in table and " MB" not in table  # one unit, as in the chart
     import torch
 
     path = bench.default_out_path(torch.device("cpu"), bench.ModelConfig())
     assert path.parent == Path(bench.__file__).resolve().parents[2] / "benchmarks" / "results"
     assert path.name.startswith("cpu-") and path.suffix == ".json"
+    quick = bench.default_out_path(torch.device("cpu"), bench.ModelConfig(), quick=True)
+    assert quick.name == path.stem + "-quick.json"
 
 
-def test_cli_rejects_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        cli.main(["no-such-command"])
-    assert cli.main([]) == 2
+def test_progress_goes_to_stderr(quick_run: tuple[dict[str, Any], str, str]) -> None:
+    _, stdout, stderr = quick_run
+    assert "[fxsplit bench]" not in stdout
+    for phase in ("compiling inductor (1/3", "compiling fxsplit (3/3", "timing, rounds done: 3/3",
+                  "measuring memory and counting FLOPs, modes done: 6/6"):
+        assert phase in stderr, phase
+
+
+def test_quick_verdicts_carry_their_spread_and_are_unreliable(quick_result: tuple[dict[str, Any], str]) -> None:
+    r, stdout = quick_result
+    for name in ("split_backward_vs_inductor", "speedup_vs_inductor_upstream"):
+        t = r["targets"][name]
+        sp = t["spread"]
+        assert sp["n"] == 3 and sp["min"] <= sp["q25"] <= sp["median"] <= sp["q75"] <= sp["max"]
+        assert t["reliable"] is False and "3 paired repetitions" in t["unreliable_because"]
+        assert t["verdict"].endswith("(unreliable)")
+    # the per-repetition ratios are the paired totals' ratios
+    by = {m["key"]: m for m in r["modes"]}
+    ratios = [a / b for a, b in zip(by["fxsplit+split"]["timing"]["total_backward"]["samples_ms"],
+                                    by["inductor"]["timing"]["total_backward"]["samples_ms"])]
+    assert r["targets"]["split_backward_vs_inductor"]["spread"]["median"] == pytest.approx(sorted(ratios)[1])
+    assert stdout.count("(unreliable)") == 2 and "IQR" in stdout
+
+
+@pytest.mark.parametrize(
+    ("ratios", "higher", "verdict", "reliable"),
+    [
+        ([1.00, 1.01, 1.02, 1.01, 1.00, 1.02], False, "PASS", True),  # all well under 1.05
+        ([1.00, 1.04, 1.07, 1.06, 1.03, 1.08], False, "PASS", False),  # 1.05 inside the IQR
+        ([1.10, 1.12, 1.11, 1.13, 1.12, 1.10], False, "MISS", True),
+        ([1.00, 1.00, 1.00], False, "PASS", False),  # too few repetitions
+        ([0.5, 0.6, 0.8, 0.9, 0.95], False, "MISS", False),  # measured 1.4 (below) disagrees with the ratios
+        ([1.9, 2.0, 1.95, 2.05, 1.98], True, "PASS", True),
+        ([1.2, 1.6, 1.4, 1.7, 1.45], True, "MISS", False),
+    ],
+)
+def test_timing_verdict_reliability(ratios: list[float], higher: bool, verdict: str, reliable: bool) -> None:
+    import statistics
+
+    name = "speedup_vs_inductor_upstream" if higher else "split_backward_vs_inductor"
+    target = 1.5 if higher else 1.05
+    measured = 1.4 if ratios == [0.5, 0.6, 0.8, 0.9, 0.95] else statistics.median(ratios)
+    t = bench._timing_target(name, target, measured, ratios, higher_is_better=higher)
+    assert t["reliable"] is reliable and t["pass"] is (verdict == "PASS")
+    assert t["verdict"] == verdict + ("" if reliable else " (unreliable)")
+    line = bench._verdict_line(name, t)
+    assert line.startswith(f"target {t['verdict']}:") and ("unreliable:" in line) is (not reliable)
+
+
+def test_chart_values_on_bars_and_legends_clear_of_them(quick_result: tuple[dict[str, Any], str],
+                                                        tmp_path: Path) -> None:
+    matplotlib = pytest.importorskip("matplotlib")  # in the test extra; optional for users
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    r, _ = quick_result
+    fig = bench.chart_figure(r)
+    renderer = fig.canvas.get_renderer()
+    time_ax, mem_ax = fig.axes
+    for ax in (time_ax, mem_ax):
+        legend = ax.get_legend().get_window_extent(renderer)
+        bars = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_width() > 0]
+        assert bars
+        for bar in bars:
+            assert not legend.overlaps(bar.get_window_extent(renderer)), "a legend covers a bar"
+    # every mode's total time and every memory figure is written next to its bar
+    texts = [t.get_text().strip() for ax in (time_ax, mem_ax) for t in ax.texts]
+    for m in r["modes"]:
+        total = sum(m["timing"][ph]["median_ms"] for ph in ("forward", "B", "W", "backward") if ph in m["timing"])
+        assert f"{total:.1f} ms" in texts
+        peaks = [x["peak_bytes"] / 2**20 for x in r["modes"]] + [(x["held_bytes"] or 0) / 2**20 for x in r["modes"]]
+        assert f"{m['peak_bytes'] / 2**20:{bench._label_spec(peaks)}}" in texts
+    assert "MiB" in mem_ax.get_xlabel() and "MB" not in mem_ax.get_xlabel().replace("MiB", "")
+    plt.close(fig)
+    assert bench.draw_chart(r, tmp_path / "chart.png") and (tmp_path / "chart.png").stat().st_size > 0

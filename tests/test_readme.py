@@ -28,3 +28,27 @@ def test_readme_example_prints_what_readme_shows() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines() == shown.strip().splitlines()
+
+
+def _section(heading: str) -> str:
+    text = README.read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:end if end != -1 else None]
+
+
+def test_supported_torch_range_matches_pyproject() -> None:
+    pyproject = (README.parent / "pyproject.toml").read_text()
+    m = re.search(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"', pyproject)
+    assert m, "pyproject.toml: no torch>=X.Y,<X.Z requirement"
+    low, newest = f"{m[1]}.{m[2]}", f"{m[3]}.{int(m[4]) - 1}"
+    assert f"Supported: torch {low} to {newest} " in README.read_text()
+
+
+def test_benchmark_section_lists_every_bench_option() -> None:
+    from fxsplit.bench.run import build_parser
+
+    section = _section("## Benchmark")
+    options = [s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+    missing = [o for o in options if f"`{o}" not in section]
+    assert missing == [], f"README's Benchmark section does not describe {missing}"
