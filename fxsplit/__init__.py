@@ -8,7 +8,14 @@
   that run those graphs (and an eager split for everything not compiled).
 """
 
-from fxsplit.api import PendingWeightGrads, explain, stage_backward, stage_backward_input, stage_backward_weight
+from fxsplit.api import (
+    MissingOutputGradError,
+    explain,
+    stage_backward,
+    stage_backward_input,
+    stage_backward_weight,
+)
+from fxsplit.pending import PendingWeightGrads
 from fxsplit.backend import BackendOptions, FxsplitCompileError, backend, compiled_regions
 
 __version__ = "0.1.0"
@@ -16,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendOptions",
     "FxsplitCompileError",
+    "MissingOutputGradError",
     "PendingWeightGrads",
     "backend",
     "compiled_regions",

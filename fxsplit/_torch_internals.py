@@ -193,3 +193,15 @@ def with_strides(example: Any, stride: tuple[int, ...] | None) -> Any:
     mode = getattr(example, "fake_mode", None)
     with mode if mode is not None else contextlib.nullcontext():
         return torch.empty_strided(tuple(example.shape), stride, dtype=example.dtype, device=example.device)
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd (``torch._dynamo.compiled_autograd._enable``) is on
+    for backward calls made now. Relies on the module flag
+    ``torch._dynamo.compiled_autograd.compiled_autograd_enabled``, which
+    ``_enable`` sets and ``_disable`` clears; the module is only consulted when
+    already imported (nothing enables compiled autograd without importing it)."""
+    import sys
+
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(ca, "compiled_autograd_enabled", False))
