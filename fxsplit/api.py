@@ -75,13 +75,17 @@ def _refuse_create_graph(create_graph: bool) -> None:
         )
 
 
-def _refuse_compiled_autograd(what: str) -> None:
-    if ti.compiled_autograd_enabled():
+def _refuse_compiled_autograd(what: str, regions: int) -> None:
+    """Compiled autograd traces every node's backward into one graph, inlining a
+    compiled region's whole backward instead of calling its runtime, so the
+    split cannot happen there (B would record no W work). Stages without
+    fxsplit regions split correctly under it and are let through."""
+    if regions and ti.compiled_autograd_enabled():
         raise RuntimeError(
-            f"fxsplit: {what} cannot run under compiled autograd (torch._dynamo.compiled_autograd): it "
-            "traces the whole autograd graph into one compiled backward, so the input-gradient / "
-            "weight-gradient split cannot happen. Call it outside compiled autograd; ordinary backward "
-            "and fxsplit.stage_backward may use compiled autograd"
+            f"fxsplit: {what} cannot split the backward of {regions} fxsplit-compiled region(s) under "
+            "compiled autograd (torch._dynamo.compiled_autograd): it inlines each region's whole backward "
+            "into its own graph. Call stage_backward_input/stage_backward_weight outside compiled "
+            "autograd; ordinary backward and fxsplit.stage_backward may use it"
         )
 
 
@@ -214,7 +218,6 @@ def stage_backward_input(
     ``create_graph=True``.
     """
     _refuse_create_graph(create_graph)
-    _refuse_compiled_autograd("stage_backward_input")
     weights = _weights_list(weights)
     outs, grads_raw = _flatten_outputs(stage_outputs_or_loss, output_grads)
     grads = _check_grads(outs, grads_raw)
@@ -223,6 +226,8 @@ def stage_backward_input(
     grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
     input_nodes = [gradient_edge(v).node for _, v in grad_inputs] if outs else []
     plan = plan_eager_weight_work(out_edges, input_nodes, weights)
+    if grad_inputs:
+        _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
 
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
@@ -337,9 +342,9 @@ def stage_backward_weight(
     weights not yet accumulated pending: call W again with the same arguments.
     """
     _refuse_create_graph(create_graph)
-    _refuse_compiled_autograd("stage_backward_weight")
     weights = list(weights)
     work = _check_weight_call(weights, param_groups)
+    _refuse_compiled_autograd("stage_backward_weight", work.regions_passed_through)
     message = _w_message(work) if log.isEnabledFor(logging.DEBUG) else ""
     work.run()
     if message:

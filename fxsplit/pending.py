@@ -267,6 +267,11 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         return [w for g in self.groups for w in g.weights]
 
     @property
+    def regions_passed_through(self) -> int:
+        """Compiled regions B ran dI for that W's eager autograd calls may pass through."""
+        return sum(r() is not None for r in self._split_regions)
+
+    @property
     def committed(self) -> int:
         """How many weights an interrupted W already accumulated (0 before W, and after a complete W)."""
         return len(self._committed)
