@@ -133,17 +133,24 @@ def out_grads(n: int, shape: tuple[int, ...] = (5, 6), dtype: torch.dtype = torc
 
 
 class Hooks:
-    """Counts and records every hook autograd runs on a module's parameters:
-    a tensor hook that doubles the gradient and a post-accumulate-grad hook."""
+    """Counts every hook autograd runs on a module's parameters: a tensor hook
+    that doubles the gradient, a post-accumulate-grad hook, and a post hook on
+    the grad accumulator (as data-parallel wrappers register; the accumulators
+    are held here, as those wrappers hold them)."""
 
     def __init__(self, model: nn.Module, raise_in: dict[str, BaseException] | None = None) -> None:
         self.pre: collections.Counter[str] = collections.Counter()
         self.post: collections.Counter[str] = collections.Counter()
+        self.acc: collections.Counter[str] = collections.Counter()
         self.raise_pre = dict(raise_in or {})
         self.raise_post: dict[str, BaseException] = {}
+        self.accumulators = []
         for name, p in model.named_parameters():
             p.register_hook(self._pre(name))
             p.register_post_accumulate_grad_hook(self._post(name))
+            acc = torch.autograd.graph.get_gradient_edge(p).node
+            acc.register_hook(lambda grad_inputs, grad_outputs, name=name: self.acc.update([name]))
+            self.accumulators.append(acc)
 
     def _pre(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(g: torch.Tensor) -> torch.Tensor:
@@ -206,11 +213,11 @@ def test_hooks_fire_once_per_weight_per_microbatch_at_w(kind: str, mode: str) ->
         xi = x.clone().requires_grad_()
         _, work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], params)
         pending.append(work)
-    assert not hooks.pre and not hooks.post, "a weight hook fired during B"
+    assert not hooks.pre and not hooks.post and not hooks.acc, "a weight hook fired during B"
     for work in reversed(pending):
         fxsplit.stage_backward_weight(params, work)
-    assert hooks.pre == ref_hooks.pre and hooks.post == ref_hooks.post
-    assert set(hooks.post.values()) == {3}
+    assert hooks.pre == ref_hooks.pre and hooks.post == ref_hooks.post and hooks.acc == ref_hooks.acc
+    assert set(hooks.post.values()) == {3} and set(hooks.acc.values()) == {3}
     assert_same_grads(model, ref)
 
 
