@@ -55,7 +55,7 @@ def test_failed_region_runs_eagerly_and_is_still_split(
     plain = copy.deepcopy(model)
     stage = torch.compile(model, backend=fxsplit.backend(compiler="eager"))
     params = list(model.parameters())
-    regions_before = len(fxsplit.compiled_regions())
+    regions_before = fxsplit.compiled_regions()
     x = torch.randn(5, 4, requires_grad=True)
     seeds = (0, 1, 2)
     ref_dins, ref_dw = reference(plain, [x], seeds)
@@ -71,7 +71,7 @@ def test_failed_region_runs_eagerly_and_is_still_split(
             fxsplit.stage_backward_weight(params, work)
 
     assert_grads_equal([p.grad for p in params], ref_dw)
-    assert len(fxsplit.compiled_regions()) == regions_before
+    assert [r for r in fxsplit.compiled_regions() if not any(r is b for b in regions_before)] == []
     warnings = [r for r in caplog.records if r.name == "fxsplit" and r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "injected" in warnings[0].getMessage() and "running it eagerly" in warnings[0].getMessage()
