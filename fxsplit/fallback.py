@@ -92,6 +92,8 @@ class WeightGroup:
     roots: tuple[int, ...]
     weights: tuple[torch.Tensor, ...]
     regions: tuple[int, ...] = ()
+    # The weights' grad accumulators (the nodes the graph already holds).
+    accumulators: tuple[Node, ...] = ()
 
 
 @dataclasses.dataclass
@@ -130,6 +132,7 @@ def _group_weights(
     starts: list[tuple[torch.Tensor, set[Node], set[int]]],
     index_of: dict[Node, int],
     region_index_of: dict[Node, int],
+    node_of: dict[int, Node],
 ) -> list[WeightGroup]:
     """Merge weights whose W starts (intermediates, region starts or output edges) overlap."""
     groups: list[tuple[set[Node], set[int], list[torch.Tensor]]] = []
@@ -148,6 +151,7 @@ def _group_weights(
             tuple(sorted(r)),
             tuple(ws),
             tuple(sorted(region_index_of[n] for n in i if n in region_index_of)),
+            tuple(node_of[id(w)] for w in ws),
         )
         for i, r, ws in groups
     ]
@@ -249,7 +253,7 @@ def plan_eager_weight_work(
     return EagerWeightPlan(
         eager,
         list(w_roots),
-        _group_weights(starts, index_of, region_index_of),
+        _group_weights(starts, index_of, region_index_of, node_of),
         unreached=len(unreached),
         region_starts=regions,
         split_regions=[n for n in b_set if is_split_region(n)],

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from fxsplit import _torch_internals as ti
 from fxsplit.fallback import EagerWeightPlan
 from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, registered
 
@@ -58,6 +59,7 @@ class EagerGroup:
     """
 
     weights: tuple[torch.Tensor, ...]
+    accumulators: tuple[Node, ...]
     intermediates: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None]
     edges: list[GradientEdge]
@@ -85,38 +87,56 @@ class EagerGroup:
 @dataclasses.dataclass
 class WeightCommit:
     """One autograd call of W's commit: ``roots`` with ``grads`` accumulate into
-    ``weights`` (``inputs=``); ``pins`` fix the gradient flowing into a node."""
+    ``weights`` through their grad ``accumulators`` (``inputs=``); ``pins``
+    fix the gradient flowing into a node."""
 
     roots: list[GradientEdge]
     grads: list[torch.Tensor]
     weights: list[torch.Tensor]
+    accumulators: list[Node]
     pins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = dataclasses.field(default_factory=list)
 
 
 def commit_weight_grads(commit: WeightCommit, committed: set[int]) -> None:
     """Accumulate into ``.grad`` through autograd: the only place W changes ``.grad``.
 
-    Adds to ``committed`` the ``id`` of every weight whose accumulation began
-    (its tensor pre-hooks all passed), also when the call raises: that weight
-    then has its gradient and its remaining hooks are autograd's business, as
-    in ordinary backward. The autograd graph is retained so that a failed
-    call can be repeated for the weights not in ``committed``.
+    Adds to ``committed`` the ``id`` of every weight whose accumulation
+    happened, also when the call raises: that weight then has its gradient
+    and its remaining hooks are autograd's business, as in ordinary backward.
+    The autograd graph is retained so that a failed call can be repeated for
+    the weights not in ``committed``.
+
+    Which weights accumulated is read off ``.grad`` (another tensor, or the
+    same one at a new version). A post-accumulate-grad hook may put ``.grad``
+    back as it was (an optimizer step in backward that sets it to ``None``),
+    so for weights with such hooks a node pre-hook on the grad accumulator
+    marks the start of accumulation instead: it runs after every tensor hook
+    of the weight (engine order), right before accumulation.
     """
-    reached: list[int] = []
+    before: list[tuple[int, torch.Tensor | None, int]] = []
+    marked: list[int] = []
     handles = []
     try:
-        for w in commit.weights:
-            acc = torch.autograd.graph.get_gradient_edge(w).node
-            # A node pre-hook on the grad accumulator runs after every tensor
-            # hook of the weight (engine order), right before accumulation.
-            handles.append(acc.register_prehook(lambda _grads, k=id(w): reached.append(k)))
+        for w, acc in zip(commit.weights, commit.accumulators):
+            if getattr(w, "_post_accumulate_grad_hooks", None):
+                handles.append(acc.register_prehook(lambda _grads, k=id(w): marked.append(k)))
+            else:
+                g = w.grad
+                before.append((id(w), g, -1 if g is None else g._version))
         for node, saved in commit.pins:
             handles.append(node.register_prehook(lambda _grads, saved=saved: saved))
-        torch.autograd.backward(commit.roots, grad_tensors=commit.grads, inputs=commit.weights, retain_graph=True)
+        # inputs= as edges to the accumulators: the same as the weights, without
+        # looking each accumulator up again.
+        ti.engine_backward(commit.roots, commit.grads, [GradientEdge(acc, 0) for acc in commit.accumulators])
     finally:
         for h in handles:
             h.remove()
-        committed.update(reached)
+        committed.update(marked)
+        by_id = {id(w): w for w in commit.weights}
+        for k, g, version in before:
+            now = by_id[k].grad
+            if now is not g or (g is not None and g._version != version):
+                committed.add(k)
 
 
 class ParamGroup(Mapping[str, Any]):
@@ -228,6 +248,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             groups.append(
                 EagerGroup(
                     weights=g.weights,
+                    accumulators=g.accumulators,
                     intermediates=[plan.intermediates[k] for k in g.intermediates],
                     grads=[saved[k] for k in g.intermediates],
                     edges=[e for e, _ in edges],
@@ -370,37 +391,39 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         wanted = {id(w) for w in self._weights if w.requires_grad and id(w) not in self._committed}
         # 1. compute: pure, so an exception here changes nothing.
         compiled: dict[int, list[torch.Tensor]] = {}
-        by_id: dict[int, torch.Tensor] = {}
+        by_id: dict[int, tuple[torch.Tensor, Node]] = {}
         for record in self.compiled:
             if any(id(p) in wanted for p in record.weights):
-                for p, g in record.compute(wanted):
+                for p, acc, g in record.compute(wanted):
                     compiled.setdefault(id(p), []).append(g)
-                    by_id[id(p)] = p
+                    by_id[id(p)] = (p, acc)
         # 2. one commit per eager group (with the compiled gradients of its
         # weights), then one for the weights only compiled regions reach.
         commits: list[WeightCommit] = []
         for group in self.groups:
-            weights = [w for w in group.weights if id(w) in wanted]
-            if not weights:
+            chosen = [(w, acc) for w, acc in zip(group.weights, group.accumulators) if id(w) in wanted]
+            if not chosen:
                 continue
             roots, values = group.starts()
-            for w in weights:
+            for w, acc in chosen:
                 for g in compiled.pop(id(w), ()):
-                    roots.append(torch.autograd.graph.get_gradient_edge(w))
+                    roots.append(GradientEdge(acc, 0))
                     values.append(g)
             if roots:
-                commits.append(WeightCommit(roots, values, weights, group.pins()))
+                commits.append(
+                    WeightCommit(roots, values, [w for w, _ in chosen], [a for _, a in chosen], group.pins())
+                )
         rest = [by_id[k] for k in compiled]
         if rest:
             roots = []
             values = []
-            for w in rest:
+            for w, acc in rest:
                 # Several regions' gradients for one weight: several roots on the
                 # same edge, which the engine sums (casting each to grad_dtype first).
                 for g in compiled.pop(id(w)):
-                    roots.append(torch.autograd.graph.get_gradient_edge(w))
+                    roots.append(GradientEdge(acc, 0))
                     values.append(g)
-            commits.append(WeightCommit(roots, values, rest))
+            commits.append(WeightCommit(roots, values, [w for w, _ in rest], [a for _, a in rest]))
         del compiled, by_id
         blocked = [n for n in (r() for r in self._split_regions) if n is not None]
         with registered(blocked, SPLIT_DONE):

@@ -127,17 +127,21 @@ class CompiledWeightWork:
     committed the gradients.
     """
 
-    __slots__ = ("_owner", "_live_ins", "params")
+    __slots__ = ("_owner", "_live_ins", "params", "accumulators")
 
     def __init__(
         self,
         owner: CompiledSplitBackward,
         live_ins: list[Any],
         params: list[torch.Tensor | None],
+        accumulators: list[Any] | None = None,
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
         self.params = params
+        # Each param's grad accumulator, as the region's autograd node links it
+        # (None where params has None): W hands the gradients to these.
+        self.accumulators = accumulators if accumulators is not None else [None] * len(params)
 
     @property
     def region(self) -> str:
@@ -158,18 +162,18 @@ class CompiledWeightWork:
         """The weights (given to B) this region computes gradients for."""
         return [p for p in self.params if p is not None]
 
-    def compute(self, wanted: set[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Run the dW graph; ``(weight, grad)`` for the weights whose ``id`` is in
-        ``wanted`` (all when ``None``). Changes nothing observable: the live-ins
-        stay held until :meth:`release`."""
+    def compute(self, wanted: set[int] | None = None) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+        """Run the dW graph; ``(weight, grad accumulator, grad)`` for the weights
+        whose ``id`` is in ``wanted`` (all when ``None``). Changes nothing
+        observable: the live-ins stay held until :meth:`release`."""
         if self._live_ins is None:
             raise RuntimeError(f"fxsplit: the W work of {self.region} has already been committed")
         # Pass a copy: compiled graphs clear their argument list.
         grads = self._owner.run_dw(list(self._live_ins))
         self._owner.stats["dw_runs"] += 1
         return [
-            (p, g)
-            for p, g in zip(self.params, grads)
+            (p, acc, g)
+            for p, acc, g in zip(self.params, self.accumulators, grads)
             if p is not None and g is not None and (wanted is None or id(p) in wanted)
         ]
 
@@ -261,8 +265,8 @@ class CompiledSplitBackward:
         edges = self._edges_by_output(node.next_functions)
         di_vals, live = self._di_and_live(args)
         args.clear()
-        params = self._params_of(edges, self.split.dw_outputs, call.weight_ids)
-        call.records.append(CompiledWeightWork(self, live, params))
+        params, accumulators = self._params_of(edges, self.split.dw_outputs, call.weight_ids)
+        call.records.append(CompiledWeightWork(self, live, params, accumulators))
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
         for i, v in zip(self.split.di_outputs, di_vals):
@@ -292,11 +296,15 @@ class CompiledSplitBackward:
     @staticmethod
     def _params_of(
         edges: Sequence[Any], positions: Sequence[int], wanted: frozenset[int]
-    ) -> list[torch.Tensor | None]:
-        """The parameter behind each weight-gradient output, if it was given to B."""
+    ) -> tuple[list[torch.Tensor | None], list[Any]]:
+        """The parameter behind each weight-gradient output, if it was given to B,
+        and its grad accumulator."""
         params: list[torch.Tensor | None] = []
+        accumulators: list[Any] = []
         for i in positions:
             fn = edges[i][0] if edges[i] is not None else None
             var = getattr(fn, "variable", None) if fn is not None and ti.is_accumulate_grad(fn) else None
-            params.append(var if isinstance(var, torch.nn.Parameter) and id(var) in wanted else None)
-        return params
+            keep = isinstance(var, torch.nn.Parameter) and id(var) in wanted
+            params.append(var if keep else None)
+            accumulators.append(fn if keep else None)
+        return params, accumulators
