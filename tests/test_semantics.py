@@ -138,7 +138,9 @@ class Hooks:
     the grad accumulator (as data-parallel wrappers register; the accumulators
     are held here, as those wrappers hold them)."""
 
-    def __init__(self, model: nn.Module, raise_in: dict[str, BaseException] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, raise_in: dict[str, BaseException] | None = None, post: bool = True
+    ) -> None:
         self.pre: collections.Counter[str] = collections.Counter()
         self.post: collections.Counter[str] = collections.Counter()
         self.acc: collections.Counter[str] = collections.Counter()
@@ -147,7 +149,8 @@ class Hooks:
         self.accumulators = []
         for name, p in model.named_parameters():
             p.register_hook(self._pre(name))
-            p.register_post_accumulate_grad_hook(self._post(name))
+            if post:
+                p.register_post_accumulate_grad_hook(self._post(name))
             acc = torch.autograd.graph.get_gradient_edge(p).node
             acc.register_hook(lambda grad_inputs, grad_outputs, name=name: self.acc.update([name]))
             self.accumulators.append(acc)
@@ -429,6 +432,8 @@ FAILURES = {
     "dw_graph_raises": ("two_layer", ("compiled", "inductor")),
     "keyboard_interrupt_in_second_region_dw": ("two_regions", ("compiled", "inductor")),
     "tensor_hook_of_second_weight_raises": ("two_regions", ("eager", "compiled")),
+    # no post-accumulate hooks: which weights accumulated is read off .grad
+    "tensor_hook_raises_without_post_hooks": ("two_regions", ("eager", "compiled")),
     "tensor_hook_keyboard_interrupt": ("shared_compiled_eager", ("eager", "compiled")),
     "post_accumulate_hook_raises": ("two_regions", ("eager", "compiled")),
 }
@@ -452,7 +457,8 @@ def test_a_failed_w_can_be_repeated_and_finishes_exactly_the_rest(failure: str, 
     for p, r in list(zip(model.parameters(), ref.parameters()))[::2]:  # earlier gradients, added to in place
         p.grad = torch.randn_like(p)
         r.grad = p.grad.clone()
-    ref_hooks, hooks = Hooks(ref), Hooks(model)
+    post = failure != "tensor_hook_raises_without_post_hooks"
+    ref_hooks, hooks = Hooks(ref, post=post), Hooks(model, post=post)
     xs, gs = inputs(2), out_grads(2)
     reference_grads(ref, xs, gs)
 
@@ -472,7 +478,7 @@ def test_a_failed_w_can_be_repeated_and_finishes_exactly_the_rest(failure: str, 
         assert len(regions) == 2
         _fail_dw_once(regions[1], KeyboardInterrupt())
         exc_type = KeyboardInterrupt
-    elif failure == "tensor_hook_of_second_weight_raises":
+    elif failure in ("tensor_hook_of_second_weight_raises", "tensor_hook_raises_without_post_hooks"):
         hooks.raise_pre[names[1]] = RuntimeError("hook failed")
     elif failure == "tensor_hook_keyboard_interrupt":
         hooks.raise_pre["body.lin.weight"] = KeyboardInterrupt()
@@ -491,7 +497,7 @@ def test_a_failed_w_can_be_repeated_and_finishes_exactly_the_rest(failure: str, 
     if failure == "post_accumulate_hook_raises":
         assert names[1] in committed  # accumulated before its post hook raised
     if failure.startswith("tensor_hook"):
-        raised = names[1] if failure == "tensor_hook_of_second_weight_raises" else "body.lin.weight"
+        raised = "body.lin.weight" if failure == "tensor_hook_keyboard_interrupt" else names[1]
         assert raised not in committed
 
     # The next microbatch may come in between; then W of microbatch 0 again.
@@ -501,9 +507,61 @@ def test_a_failed_w_can_be_repeated_and_finishes_exactly_the_rest(failure: str, 
     fxsplit.stage_backward_weight(params, work0)
     assert not work0.pending
     assert hooks.post == ref_hooks.post, "a weight was accumulated twice or not at all"
+    expected_acc = collections.Counter(ref_hooks.acc)
+    if failure == "post_accumulate_hook_raises":
+        # As in ordinary backward, the exception skipped the hooks that run after it
+        # on that weight's accumulator; the weight is committed, so they stay skipped.
+        expected_acc[names[1]] -= 1
+    assert hooks.acc == expected_acc
     assert_same_grads(model, ref)
     with pytest.raises(RuntimeError, match="already ran"):
         fxsplit.stage_backward_weight(params, work0)
+
+
+@pytest.mark.parametrize("mode", FAST_MODES)
+def test_optimizer_in_backward_survives_a_repeated_w(mode: str) -> None:
+    """A post-accumulate hook that steps the weight and clears .grad (optimizer in
+    backward): after a W interrupted by another weight's hook and repeated, each
+    weight was stepped exactly once, as ordinary backward does."""
+    torch.manual_seed(0)
+    model = TwoRegions()
+    ref = copy.deepcopy(model)
+    fail = {"second.lin.weight": 1}
+
+    def attach(m: nn.Module, failing: dict[str, int]) -> collections.Counter[str]:
+        steps: collections.Counter[str] = collections.Counter()
+        for name, p in m.named_parameters():
+
+            def step(p: torch.Tensor, name: str = name) -> None:
+                steps[name] += 1
+                with torch.no_grad():
+                    p.sub_(0.1 * p.grad)
+                p.grad = None
+
+            def pre(g: torch.Tensor, name: str = name) -> None:
+                if failing.get(name):
+                    failing[name] -= 1
+                    raise RuntimeError("hook failed")
+
+            p.register_hook(pre)
+            p.register_post_accumulate_grad_hook(step)
+        return steps
+
+    ref_steps, steps = attach(ref, {}), attach(model, fail)
+    x, g = inputs(1)[0], out_grads(1)[0]
+    ref(x.clone().requires_grad_()).backward(g)
+    prepare(model, mode)
+    params = list(model.parameters())
+    xi = x.clone().requires_grad_()
+    _, work = fxsplit.stage_backward_input([model(xi)], [g], [xi], params)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        fxsplit.stage_backward_weight(params, work)
+    assert 0 < work.committed < len(params)
+    fxsplit.stage_backward_weight(params, work)
+    assert steps == ref_steps and set(steps.values()) == {1}
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, r, msg=lambda m: f"{name}: {m}")
+        assert p.grad is None
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
