@@ -205,17 +205,24 @@ def stage_backward_input(
     ``(dinputs, param_groups)`` with ``dinputs[i]`` the gradient of
     ``input_values[i]`` (``None`` for non-tensors and inputs that need no
     gradient), accumulates each dinput into its input's ``.grad``, leaves every
-    weight's ``.grad`` untouched, and detaches the (non-view) stage outputs.
-    ``param_groups`` is a :class:`PendingWeightGrads` to pass to
-    :func:`stage_backward_weight` exactly once.
+    weight's ``.grad`` untouched (no weight hook fires), and detaches the
+    (non-view, non-leaf) stage outputs. ``param_groups`` is a
+    :class:`PendingWeightGrads` to pass to :func:`stage_backward_weight`
+    (once, or again after a W that raised).
+
+    Only this call's autograd call is split: the compiled regions it runs are
+    registered on their autograd nodes while it runs, so backward calls of
+    other threads, models or microbatches stay ordinary.
 
     ``stage_outputs_or_loss`` may be a tensor, a ``GradientEdge``, or a nested
     list/tuple/dict of them; ``output_grads`` is ``None`` (scalar losses) or has
     the same structure (required for ``GradientEdge`` outputs). Before doing
     any work, raises ``ValueError``/``TypeError`` if the gradients do not match
-    the outputs or the weights are not the stage's, ``RuntimeError`` if B
-    already ran on these outputs, and ``NotImplementedError`` for
-    ``create_graph=True``.
+    the outputs or the weights are not the stage's
+    (:class:`MissingOutputGradError` for a ``GradientEdge`` without gradient),
+    ``RuntimeError`` if B already ran on these outputs, another split call runs
+    through the same graph, or compiled autograd is on and the stage has
+    fxsplit regions, and ``NotImplementedError`` for ``create_graph=True``.
     """
     _refuse_create_graph(create_graph)
     weights = _weights_list(weights)
