@@ -149,13 +149,13 @@ class ParamGroup(Mapping[str, Any]):
     gradients of an eager group, as upstream allows; anything else is refused.
     """
 
-    def __init__(self, weights: Sequence[torch.Tensor], eager: EagerGroup | None) -> None:
-        self._weights = tuple(weights)
+    def __init__(self, accumulators: Sequence[Node], eager: EagerGroup | None) -> None:
+        self._accumulators = tuple(accumulators)
         self._eager = eager
 
     def __getitem__(self, key: str) -> Any:
         if key == "params":
-            return {torch.autograd.graph.get_gradient_edge(w).node for w in self._weights if w.requires_grad}
+            return set(self._accumulators)
         if key == "intermediates":
             return list(self._eager.intermediates) if self._eager else []
         if key == "grads":
@@ -187,7 +187,7 @@ class ParamGroup(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         kind = "eager" if self._eager else "compiled"
-        return f"ParamGroup({kind}, {len(self._weights)} weight(s))"
+        return f"ParamGroup({kind}, {len(self._accumulators)} weight(s))"
 
 
 class PendingWeightGrads(Sequence[ParamGroup]):
@@ -260,8 +260,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
 
     # -- upstream-style view ---------------------------------------------------
     def _views(self) -> list[ParamGroup]:
-        views = [ParamGroup(g.weights, g) for g in self.groups]
-        return views + [ParamGroup(r.weights, None) for r in self.compiled]
+        views = [ParamGroup(g.accumulators, g) for g in self.groups]
+        return views + [ParamGroup([a for a in r.accumulators if a is not None], None) for r in self.compiled]
 
     def __len__(self) -> int:
         return len(self.groups) + len(self.compiled)

@@ -412,6 +412,38 @@ def test_only_the_given_weights_get_gradients(kind: str, mode: str) -> None:
             assert p.grad is None, f"{name} was not given to B/W but got a gradient"
 
 
+@pytest.mark.parametrize("mode", FAST_MODES)
+def test_plain_tensor_weight_used_inside_a_compiled_region(mode: str) -> None:
+    """A weight that is a leaf tensor, not an nn.Parameter: Dynamo passes it as an
+    ordinary input, so the region computes its gradient in the dI graph and B
+    hands it to W, which accumulates it through autograd with the rest."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6)
+    w = torch.randn(6, 6, requires_grad=True)
+    lin_ref, w_ref = copy.deepcopy(lin), w.detach().clone().requires_grad_()
+    calls: collections.Counter[str] = collections.Counter()
+    w.register_post_accumulate_grad_hook(lambda t: calls.update(["w"]))
+
+    def f(x: torch.Tensor, weight: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        return torch.tanh(layer(x)) @ weight
+
+    fn = f if mode == "eager" else torch.compile(f, backend=backend_for(mode))
+    xs, gs = inputs(2), out_grads(2)
+    weights = [w, *lin.parameters()]
+    for x, g in zip(xs, gs):
+        xr = x.clone().requires_grad_()
+        f(xr, w_ref, lin_ref).backward(g)
+        xi = x.clone().requires_grad_()
+        (dx,), work = fxsplit.stage_backward_input([fn(xi, w, lin)], [g], [xi], weights)
+        assert w.grad is None or calls["w"] == 1
+        fxsplit.stage_backward_weight(weights, work)
+        torch.testing.assert_close(dx, xr.grad)
+    assert calls["w"] == 2
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    for p, r in zip(lin.parameters(), lin_ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. a W that raises can be called again and finishes exactly the rest
 
