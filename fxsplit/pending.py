@@ -8,9 +8,10 @@ work). :meth:`PendingWeightGrads.run` is W:
 1. **compute**: every compiled dW graph runs on its live-ins. Pure: nothing a
    user can observe changes, and on an exception everything is still held.
 2. **commit**: :func:`commit_weight_grads`, the one place where W changes
-   ``.grad``. Each call is one ``torch.autograd.backward`` whose roots are
-   the eager W starts plus, for each weight with compiled gradients, an edge
-   to its ``AccumulateGrad`` carrying them, with ``inputs=`` the weights. So
+   ``.grad``. Each call is one autograd engine call, as
+   ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
+   are the eager W starts plus, for each weight with compiled gradients, an
+   edge to its ``AccumulateGrad`` carrying them. So
    accumulation is autograd's own: tensor hooks and post-accumulate-grad
    hooks fire once per weight, ``.grad`` gets the parameter's layout and
    ``grad_dtype``, accumulates in place, and never aliases a tensor someone
@@ -18,7 +19,7 @@ work). :meth:`PendingWeightGrads.run` is W:
    input-gradient work between groups) and one for the weights only compiled
    regions reach; a stage without eager weights commits in one call.
 3. If a commit raises (a hook, out of memory, ``KeyboardInterrupt``), the
-   weights whose accumulation had started are recorded as committed and
+   weights that were accumulated are recorded as committed and
    everything else stays pending: the same object passed to W again finishes
    exactly the rest. The eager graph is run with ``retain_graph=True`` for
    that reason, and dropped when W completes.
