@@ -12,8 +12,15 @@
 """
 
 from fxsplit import config
-from fxsplit.api import PendingWeightGrads, explain, stage_backward, stage_backward_input, stage_backward_weight
+from fxsplit.api import (
+    MissingOutputGradError,
+    explain,
+    stage_backward,
+    stage_backward_input,
+    stage_backward_weight,
+)
 from fxsplit.backend import BackendOptions, FallbackRecord, FxsplitCompileError, backend, compiled_regions, fallbacks
+from fxsplit.pending import PendingWeightGrads
 from fxsplit.rules import register_split_rule, split_rules, unregister_split_rule
 
 __version__ = "0.1.0"
@@ -22,6 +29,7 @@ __all__ = [
     "BackendOptions",
     "FallbackRecord",
     "FxsplitCompileError",
+    "MissingOutputGradError",
     "PendingWeightGrads",
     "backend",
     "compiled_regions",

@@ -255,3 +255,32 @@ def dynamo_compile_id() -> str | None:
 
     cid = CompileContext.current_compile_id()
     return str(cid) if cid is not None else None
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd (``torch._dynamo.compiled_autograd._enable``) is on
+    for backward calls made now. Relies on the module flag
+    ``torch._dynamo.compiled_autograd.compiled_autograd_enabled``, which
+    ``_enable`` sets and ``_disable`` clears; the module is only consulted when
+    already imported (nothing enables compiled autograd without importing it)."""
+    import sys
+
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
+def engine_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor], inputs: Sequence[Any]) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=True)``
+    without its Python-side argument normalisation (``_make_grads``: about half
+    the cost of committing a small weight's gradient). The caller passes
+    ``GradientEdge`` roots and inputs and one defined tensor per root; the
+    engine still validates each gradient against its edge (shape, dtype cast to
+    ``grad_dtype``, device) in C++. Relies on
+    ``torch.autograd.graph._engine_run_backward(outputs, grad_outputs,
+    keep_graph, create_graph, inputs, allow_unreachable=, accumulate_grad=)``,
+    which ``torch.autograd.backward`` calls the same way."""
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward(
+        tuple(roots), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    )

@@ -7,8 +7,9 @@ backward. fxsplit-compiled regions are split by their compiled dI/dW
 graphs; everything else by the eager reverse closure (:mod:`fxsplit.fallback`).
 
 Misuse (W without B, W twice, B twice, gradients that do not match the
-outputs, another module's weights, double backward) raises before any
-work is done, so every ``.grad`` and all pending W work stay as they were.
+outputs, another module's weights, double backward, compiled autograd)
+raises before any work is done, so every ``.grad`` and all pending W work
+stay as they were. W itself is transactional (:mod:`fxsplit.pending`).
 """
 
 from __future__ import annotations
@@ -20,111 +21,24 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from fxsplit.fallback import EagerWeightPlan, WeightGroup, gradient_edge, plan_eager_weight_work
-from fxsplit.runtime import CompiledWeightWork, InputPhase, WeightPhase, active_phase
+from fxsplit import _torch_internals as ti
+from fxsplit.fallback import gradient_edge, plan_eager_weight_work
+from fxsplit.pending import PendingWeightGrads
+from fxsplit.runtime import InputCall, registered
 
 log = logging.getLogger("fxsplit")
 
-__all__ = ["PendingWeightGrads", "explain", "stage_backward", "stage_backward_input", "stage_backward_weight"]
+__all__ = [
+    "MissingOutputGradError",
+    "PendingWeightGrads",
+    "explain",
+    "stage_backward",
+    "stage_backward_input",
+    "stage_backward_weight",
+]
 
 Output = torch.Tensor | GradientEdge
 Weights = Iterable[torch.Tensor] | Iterator[torch.nn.Parameter]
-
-
-class PendingWeightGrads:
-    """The W work B leaves for one microbatch of one stage.
-
-    Returned by :func:`stage_backward_input` in the place of upstream's
-    ``param_groups`` and consumed, exactly once, by :func:`stage_backward_weight`.
-    It holds only what W needs: the live-ins of each compiled region
-    (``compiled``), and for eager code the gradients B saved at the
-    intermediate autograd nodes (``plan.intermediates``/``saved_grads``) and
-    at stage outputs whose backward is all weight work (``root_edges``/
-    ``root_grads``). W drops all of it.
-    """
-
-    def __init__(
-        self,
-        weights: Sequence[torch.Tensor],
-        compiled: list[CompiledWeightWork],
-        plan: EagerWeightPlan,
-        saved_grads: list[tuple[torch.Tensor | None, ...] | None],
-        root_edges: list[GradientEdge],
-        root_grads: list[torch.Tensor],
-    ) -> None:
-        self._weights = tuple(weights)
-        self.compiled = compiled
-        self.plan = plan
-        self.saved_grads = saved_grads
-        self.root_edges = root_edges
-        self.root_grads = root_grads
-        self.done = False
-
-    # upstream's param_groups is a list; keep len() meaningful for callers that check it
-    def __len__(self) -> int:
-        return len(self.compiled) + len(self.plan.intermediates) + len(self.root_edges)
-
-    @property
-    def pending(self) -> bool:
-        return not self.done
-
-    @property
-    def live_in_bytes(self) -> int:
-        """Bytes held for W: compiled live-ins plus saved eager gradients."""
-        total = sum(r.live_in_bytes for r in self.compiled)
-        for grads in list(self.saved_grads) + [tuple(self.root_grads)]:
-            for g in grads or ():
-                if isinstance(g, torch.Tensor):
-                    total += g.numel() * g.element_size()
-        return total
-
-    def summary(self) -> str:
-        """Which path each part of this stage's W takes, on one line (for logs)."""
-        regions = ", ".join(sorted({r.region for r in self.compiled})) or "none"
-        return (
-            f"compiled W work: {len(self.compiled)} region call(s) ({regions}); "
-            f"eager W work: {len(self.plan.eager_weights)} weight(s) via "
-            f"{len(self.plan.intermediates)} intermediate node(s) and {len(self.root_edges)} output edge(s); "
-            f"held for W: {self.live_in_bytes} bytes"
-            + ("" if not self.done else " [done]")
-        )
-
-    def explain(self) -> str:
-        """A multi-line account of what B did and what W will do, part by part."""
-        if self.done:
-            return "W already ran for this microbatch; nothing is held."
-        lines = []
-        for r in self.compiled:
-            n = sum(p is not None for p in r.params)
-            lines.append(
-                f"compiled  {r.region}: dI graph ran in B; dW graph pending for {n} weight(s), "
-                f"holding {r.live_in_bytes} bytes of live-ins"
-            )
-        for node, grads in zip(self.plan.intermediates, self.saved_grads):
-            held = sum(g.numel() * g.element_size() for g in grads or () if isinstance(g, torch.Tensor))
-            lines.append(f"eager     {node.name()}: ran in B; W resumes autograd here from {held} saved bytes")
-        for edge in self.root_edges:
-            lines.append(
-                f"eager     output {edge.node.name()}: no input gradient flows through it; W runs its whole "
-                "backward (compiled regions there run their fused backward)"
-            )
-        lines.append(
-            f"weights: {len(self.plan.eager_weights)} by eager autograd in W, "
-            f"{sum(sum(p is not None for p in r.params) for r in self.compiled)} by compiled dW graphs, "
-            f"{self.plan.unreached} with no gradient from these outputs"
-        )
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return f"PendingWeightGrads({self.summary()})"
-
-    def _release(self) -> None:
-        self.done = True
-        self.compiled = []
-        self.plan = EagerWeightPlan([], [], [], self.plan.unreached)
-        self.saved_grads = []
-        self.root_edges = []
-        self.root_grads = []
 
 
 def explain(param_groups: PendingWeightGrads) -> str:
@@ -137,8 +51,19 @@ def explain(param_groups: PendingWeightGrads) -> str:
     return param_groups.explain()
 
 
-# Outputs B has already run on carry this attribute (B twice on them is an error).
-# An attribute, not a WeakSet: set membership would compare tensors with ==.
+class MissingOutputGradError(ValueError, AssertionError):
+    """A ``GradientEdge`` stage output was given no gradient.
+
+    A ``ValueError`` like fxsplit's other argument errors, and also an
+    ``AssertionError``, which is what upstream's ``stage_backward_input``
+    raises for this case.
+    """
+
+
+# Non-leaf outputs B has already run on carry this attribute (B twice on them
+# is an error). An attribute, not a WeakSet: set membership would compare
+# tensors with ==. Leaves (a parameter returned as an output) are never
+# marked: they are the same tensor in every microbatch.
 _B_DONE = "_fxsplit_b_done"
 
 
@@ -147,6 +72,20 @@ def _refuse_create_graph(create_graph: bool) -> None:
         raise NotImplementedError(
             "fxsplit: create_graph=True (double backward) is not supported through a split backward; "
             "use torch.autograd.grad(..., create_graph=True) on the unsplit graph instead"
+        )
+
+
+def _refuse_compiled_autograd(what: str, regions: int) -> None:
+    """Compiled autograd traces every node's backward into one graph, inlining a
+    compiled region's whole backward instead of calling its runtime, so the
+    split cannot happen there (B would record no W work). Stages without
+    fxsplit regions split correctly under it and are let through."""
+    if regions and ti.compiled_autograd_enabled():
+        raise RuntimeError(
+            f"fxsplit: {what} cannot split the backward of {regions} fxsplit-compiled region(s) under "
+            "compiled autograd (torch._dynamo.compiled_autograd): it inlines each region's whole backward "
+            "into its own graph. Call stage_backward_input/stage_backward_weight outside compiled "
+            "autograd; ordinary backward and fxsplit.stage_backward may use it"
         )
 
 
@@ -206,9 +145,10 @@ def _check_grads(outs: Sequence[Output], grads: list[Any]) -> list[torch.Tensor]
     for k, (o, g) in enumerate(zip(outs, grads)):
         if isinstance(o, GradientEdge):
             if g is None:
-                raise ValueError(
-                    f"fxsplit: stage output {k} is a GradientEdge ({o.node.name()}); pass its gradient in "
-                    "output_grads (a GradientEdge has no shape to make an implicit one from)"
+                raise MissingOutputGradError(
+                    f"fxsplit: stage output {k} is a GradientEdge ({o.node.name()}) and requires output "
+                    "gradients: pass its gradient in output_grads (a GradientEdge has no shape to make an "
+                    "implicit one from)"
                 )
             checked.append(g)
             continue
@@ -265,17 +205,24 @@ def stage_backward_input(
     ``(dinputs, param_groups)`` with ``dinputs[i]`` the gradient of
     ``input_values[i]`` (``None`` for non-tensors and inputs that need no
     gradient), accumulates each dinput into its input's ``.grad``, leaves every
-    weight's ``.grad`` untouched, and detaches the (non-view) stage outputs.
-    ``param_groups`` is a :class:`PendingWeightGrads` to pass to
-    :func:`stage_backward_weight` exactly once.
+    weight's ``.grad`` untouched (no weight hook fires), and detaches the
+    (non-view, non-leaf) stage outputs. ``param_groups`` is a
+    :class:`PendingWeightGrads` to pass to :func:`stage_backward_weight`
+    (once, or again after a W that raised).
+
+    Only this call's autograd call is split: the compiled regions it runs are
+    registered on their autograd nodes while it runs, so backward calls of
+    other threads, models or microbatches stay ordinary.
 
     ``stage_outputs_or_loss`` may be a tensor, a ``GradientEdge``, or a nested
     list/tuple/dict of them; ``output_grads`` is ``None`` (scalar losses) or has
     the same structure (required for ``GradientEdge`` outputs). Before doing
     any work, raises ``ValueError``/``TypeError`` if the gradients do not match
-    the outputs or the weights are not the stage's, ``RuntimeError`` if B
-    already ran on these outputs, and ``NotImplementedError`` for
-    ``create_graph=True``.
+    the outputs or the weights are not the stage's
+    (:class:`MissingOutputGradError` for a ``GradientEdge`` without gradient),
+    ``RuntimeError`` if B already ran on these outputs, another split call runs
+    through the same graph, or compiled autograd is on and the stage has
+    fxsplit regions, and ``NotImplementedError`` for ``create_graph=True``.
     """
     _refuse_create_graph(create_graph)
     weights = _weights_list(weights)
@@ -286,10 +233,12 @@ def stage_backward_input(
     grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
     input_nodes = [gradient_edge(v).node for _, v in grad_inputs] if outs else []
     plan = plan_eager_weight_work(out_edges, input_nodes, weights)
+    if grad_inputs:
+        _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
 
-    # B saves the gradient flowing into each intermediate for W. Each hook
-    # writes into a plain list slot (no closure over the hook handle or the
-    # node), and the hooks are removed before B returns.
+    # B saves the gradient flowing into each eager intermediate for W. Each
+    # hook writes into a plain list slot (no closure over the hook handle or
+    # the node), and the hooks are removed before B returns.
     saved: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(plan.intermediates)
     handles = []
     for k, node in enumerate(plan.intermediates):
@@ -299,11 +248,13 @@ def stage_backward_input(
 
         handles.append(node.register_prehook(save))
 
-    phase = InputPhase()
+    # The compiled regions this call runs (exactly the split regions in the B
+    # set) run their dI graph only, and only while this call runs.
+    call = InputCall(id(w) for w in weights)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     try:
         if grad_inputs and outs:
-            with active_phase(phase):
+            with registered(plan.split_regions, call):
                 results = torch.autograd.grad(
                     outs,
                     [v for _, v in grad_inputs],
@@ -329,23 +280,17 @@ def stage_backward_input(
             else:
                 v.grad += g
 
-    work = PendingWeightGrads(
-        weights,
-        phase.records,
-        plan,
-        saved,
-        [out_edges[k] for k in plan.w_roots],
-        [grads[k] for k in plan.w_roots],
-    )
+    work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
+    ran = sorted({r.region for r in call.records})
+    del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
     for o in outs:
-        if isinstance(o, torch.Tensor):
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None:
             setattr(o, _B_DONE, True)
             # Frees the graph above the outputs that nothing needs any more.
             # Views cannot be detached in place (upstream's fix: skip them).
-            if not o._is_view() and o.grad_fn is not None:
+            if not o._is_view():
                 o.detach_()
     if log.isEnabledFor(logging.DEBUG):
-        ran = sorted({r.region for r in phase.records})
         log.debug(
             "fxsplit: B: dI ran compiled in %s, eager autograd for the rest; W pending: %s",
             ", ".join(ran) or "no region", work.summary(),
@@ -362,10 +307,10 @@ def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> Pendin
     if param_groups.done:
         raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
     given = {id(w) for w in weights}
-    expected = {id(w) for w in param_groups._weights}
+    expected = {id(w) for w in param_groups.weights}
     if given != expected:
         extra = sum(1 for w in weights if id(w) not in expected)
-        missing = sum(1 for w in param_groups._weights if id(w) not in given)
+        missing = sum(1 for w in param_groups.weights if id(w) not in given)
         raise ValueError(
             "fxsplit: stage_backward_weight got weights that differ from those given to stage_backward_input "
             f"({extra} do not belong to the stage's B, {missing} missing); pass the same weights to B and W "
@@ -385,93 +330,45 @@ def stage_backward_weight(
 
     ``weights`` must be the weights given to the matching
     :func:`stage_backward_input`. Compiled regions run their dW graphs on the
-    saved live-ins; eager code runs autograd from the saved intermediate
-    gradients (``retain_graph`` is passed to that autograd call). All
-    gradients are computed before any ``.grad`` is touched. Returns the
-    weights' ``.grad`` after accumulation.
+    saved live-ins and eager code runs autograd from what B saved; every
+    gradient is computed before any ``.grad`` is touched, then autograd
+    accumulates them (hooks, layout, ``grad_dtype`` as in ordinary backward;
+    see :mod:`fxsplit.pending`). Returns the weights' ``.grad`` after
+    accumulation.
+
+    ``retain_graph`` is accepted for upstream compatibility: W keeps the
+    eager graph it runs until it completes (so that a failed W can be
+    repeated) and then drops its references to it, whichever the value.
 
     Raises, with nothing changed, ``TypeError`` if ``param_groups`` did not
-    come from :func:`stage_backward_input`, ``RuntimeError`` if W already ran
-    for it, ``ValueError`` if ``weights`` differ from B's, and
-    ``NotImplementedError`` for ``create_graph=True``.
+    come from :func:`stage_backward_input`, ``RuntimeError`` if W already
+    completed for it (or runs in another thread, or compiled autograd is
+    enabled), ``ValueError`` if ``weights`` differ from B's, and
+    ``NotImplementedError`` for ``create_graph=True``. An exception while W
+    runs (a dW graph, a hook, out of memory, ``KeyboardInterrupt``) leaves the
+    weights not yet accumulated pending: call W again with the same arguments.
     """
     _refuse_create_graph(create_graph)
     weights = list(weights)
     work = _check_weight_call(weights, param_groups)
-
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    plan = work.plan
-    # A group with several intermediates (a weight used at an ancestor and a
-    # descendant site) runs through the nodes between them, which other
-    # groups may need: run such groups first and keep the graph for the rest.
-    groups = sorted(plan.groups, key=lambda g: len(g.intermediates) <= 1)
-    for k, group in enumerate(groups):
-        keep = retain_graph or (len(group.intermediates) > 1 and k < len(groups) - 1)
-        pairs.extend(_run_eager_group(work, group, keep))
-    for record in work.compiled:
-        pairs.extend(record.run())
-
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug(
-            "fxsplit: W: compiled dW in %s; eager autograd for %d weight(s) from %d intermediate(s) "
-            "and %d output edge(s)",
-            ", ".join(sorted({r.region for r in work.compiled})) or "no region",
-            len(plan.eager_weights), len(plan.intermediates), len(work.root_edges),
-        )
-    work._release()
-    _accumulate(pairs)
+    _refuse_compiled_autograd("stage_backward_weight", work.regions_passed_through)
+    message = _w_message(work) if log.isEnabledFor(logging.DEBUG) else ""
+    work.run()
+    if message:
+        log.debug("%s", message)
     return tuple(w.grad for w in weights)
 
 
-def _run_eager_group(
-    work: PendingWeightGrads, group: WeightGroup, retain_graph: bool
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One autograd call from the group's saved gradients to its weights."""
-    plan = work.plan
-    edges: list[GradientEdge] = []
-    edge_grads: list[torch.Tensor] = []
-    for k in group.intermediates:
-        for i, g in enumerate(work.saved_grads[k] or ()):
-            if g is not None:
-                edges.append(GradientEdge(plan.intermediates[k], i))
-                edge_grads.append(g)
-    for k in group.roots:
-        j = plan.w_roots.index(k)
-        edges.append(work.root_edges[j])
-        edge_grads.append(work.root_grads[j])
-    if not edges:
-        return []
-    # Pin each intermediate's incoming gradient to what B saved: when one of
-    # the group's intermediates lies below another (a weight used at an
-    # ancestor and a descendant site), the path between them is not counted twice.
-    handles = []
-    if len(group.intermediates) > 1:
-        for k in group.intermediates:
-            if work.saved_grads[k] is not None:
-                handles.append(plan.intermediates[k].register_prehook(lambda _g, sg=work.saved_grads[k]: sg))
-    try:
-        with active_phase(WeightPhase()):
-            dws = torch.autograd.grad(
-                edges, list(group.weights), grad_outputs=edge_grads, retain_graph=retain_graph, allow_unused=True
-            )
-    finally:
-        for h in handles:
-            h.remove()
-    return [(w, g) for w, g in zip(group.weights, dws) if g is not None]
-
-
-def _accumulate(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``.grad`` += g for each pair, never letting two ``.grad``s (or a ``.grad``
-    and a tensor someone else holds) share storage."""
-    seen: set[int] = set()
-    for p, g in pairs:
-        if p.grad is None:
-            if id(g) in seen or g._base is not None:
-                g = g.clone()
-            seen.add(id(g))
-            p.grad = g
-        else:
-            p.grad += g
+def _w_message(work: PendingWeightGrads) -> str:
+    return (
+        "fxsplit: W: compiled dW in {}; eager autograd for {} weight(s) from {} intermediate(s) and {} edge(s); "
+        "committed through autograd".format(
+            ", ".join(sorted({r.region for r in work.compiled})) or "no region",
+            len(work.eager_weights),
+            sum(len(g.intermediates) for g in work.groups),
+            sum(len(g.edges) for g in work.groups),
+        )
+    )
 
 
 def stage_backward(

@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
 
 _COMPILERS = ("inductor", "eager")
 _region_ids = itertools.count()
+_region_serials = itertools.count()
 
 
 class FxsplitCompileError(RuntimeError):
@@ -128,15 +130,22 @@ class BackendOptions:
         return self.fallback if self.fallback is not None else config.current_fallback()
 
 
-# Every region compiled in this process, for inspection. Held strongly, so
-# indices stay stable for callers that slice the list; a region is small (its
-# graphs and compiled callables, no real tensors).
-_REGIONS: list[CompiledSplitBackward] = []
+# Every live region compiled in this process, for inspection, oldest first.
+# Weak: a region lives exactly as long as the compiled code that calls it
+# (AOTAutograd's CompiledFunction holds it; pending W work holds the regions
+# it will run), so recompiles and dropped modules do not accumulate here.
+_REGIONS: weakref.WeakValueDictionary[int, CompiledSplitBackward] = weakref.WeakValueDictionary()
 
 
 def compiled_regions() -> list[CompiledSplitBackward]:
-    """The split backward regions compiled so far in this process (oldest first)."""
-    return list(_REGIONS)
+    """The live split backward regions of this process, oldest first.
+
+    A region disappears once nothing uses it any more (its module and
+    Dynamo's cache entries are gone, e.g. after ``torch._dynamo.reset()``,
+    and no pending W work refers to it), so compare by identity rather than
+    by index across calls.
+    """
+    return [r for _, r in sorted(_REGIONS.items())]
 
 
 _FALLBACKS: list[FallbackRecord] = []
@@ -261,7 +270,7 @@ def _compile_split_backward(
     build.graph = "fused"
     run_fused = inner(bw, list(example_inputs), **kwargs) if opts.fused_backward else None
     region = CompiledSplitBackward(split, run_di, run_dw, run_fused, name=name, input_is_tensor=is_tensor)
-    _REGIONS.append(region)
+    _REGIONS[next(_region_serials)] = region
     log.info(
         "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins",
         name, opts.compiler, len(split.di_outputs), len(split.dw_outputs), len(split.live_ins),

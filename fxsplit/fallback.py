@@ -5,10 +5,13 @@ Terms used below, for one stage:
 
 * *B set*: autograd nodes the input-gradient pass executes, i.e. the nodes
   from which a stage input's gradient node is reachable.
-* *W side*: nodes outside the B set from which a weight is reachable.
-* *intermediates*: B-set nodes with an edge into the W side. B saves the
+* *W side*: nodes outside the B set from which a given weight is reachable.
+* *intermediates*: eager B-set nodes with an edge into the W side. B saves the
   gradients flowing into them; W re-runs them (autograd computes only the
   outputs W needs) and everything on the W side.
+* *region starts*: fxsplit-compiled regions in the B set with an edge into
+  the W side. Their dI graph computes, in B, the gradient flowing along that
+  edge; B hands it over and W starts from the edge (the region is not re-run).
 * *W roots*: stage-output nodes already on the W side (e.g. every output of a
   first stage, whose inputs need no gradient). W starts there with the
   output gradients.
@@ -79,31 +82,42 @@ def _upward_closure(starts: Iterable[Node], parents: dict[Node, list[Node]]) -> 
 class WeightGroup:
     """Weights W computes in one autograd call, and where that call starts.
 
-    ``intermediates`` and ``roots`` index ``EagerWeightPlan.intermediates``
-    and the stage output edges. Weights share a group only when they share a
+    ``intermediates``, ``regions`` and ``roots`` index
+    ``EagerWeightPlan.intermediates``, ``EagerWeightPlan.region_starts`` and
+    the stage output edges. Weights share a group only when they share a
     start, so a call never runs another group's part of the graph.
     """
 
     intermediates: tuple[int, ...]
     roots: tuple[int, ...]
     weights: tuple[torch.Tensor, ...]
+    regions: tuple[int, ...] = ()
+    # The weights' grad accumulators (the nodes the graph already holds).
+    accumulators: tuple[Node, ...] = ()
 
 
 @dataclasses.dataclass
 class EagerWeightPlan:
     """What W must do by running autograd (the non-compiled part of W).
 
-    ``intermediates``: B-set nodes whose incoming gradients B saves for W.
+    ``intermediates``: eager B-set nodes whose incoming gradients B saves for W.
+    ``region_starts``: B-set split regions whose unused dI outputs start W.
     ``w_roots``: indices of stage output edges W starts from with the output
     gradients (outputs whose backward is all weight work).
     ``groups``: one autograd call each in W.
     ``unreached``: how many of the given weights no stage output depends on.
+    ``split_regions``: every split region in the B set (B's autograd call runs
+    their dI graph; W's calls must not run them again).
+    ``w_side``: the W-side nodes (only needed while B runs: do not keep it).
     """
 
     intermediates: list[Node]
     w_roots: list[int]  # indices into the stage's output edges
     groups: list[WeightGroup] = dataclasses.field(default_factory=list)
     unreached: int = 0
+    region_starts: list[Node] = dataclasses.field(default_factory=list)
+    split_regions: list[Node] = dataclasses.field(default_factory=list)
+    w_side: set[Node] = dataclasses.field(default_factory=set)
 
     @property
     def eager_weights(self) -> list[torch.Tensor]:
@@ -115,9 +129,12 @@ class EagerWeightPlan:
 
 
 def _group_weights(
-    starts: list[tuple[torch.Tensor, set[Node], set[int]]], index_of: dict[Node, int]
+    starts: list[tuple[torch.Tensor, set[Node], set[int]]],
+    index_of: dict[Node, int],
+    region_index_of: dict[Node, int],
+    node_of: dict[int, Node],
 ) -> list[WeightGroup]:
-    """Merge weights whose W starts (intermediates or output edges) overlap."""
+    """Merge weights whose W starts (intermediates, region starts or output edges) overlap."""
     groups: list[tuple[set[Node], set[int], list[torch.Tensor]]] = []
     for w, inter, roots in starts:
         merged = (set(inter), set(roots), [w])
@@ -129,7 +146,14 @@ def _group_weights(
                 keep.append(g)
         groups = keep + [merged]
     return [
-        WeightGroup(tuple(sorted(index_of[n] for n in i)), tuple(sorted(r)), tuple(ws)) for i, r, ws in groups
+        WeightGroup(
+            tuple(sorted(index_of[n] for n in i if n in index_of)),
+            tuple(sorted(r)),
+            tuple(ws),
+            tuple(sorted(region_index_of[n] for n in i if n in region_index_of)),
+            tuple(node_of[id(w)] for w in ws),
+        )
+        for i, r, ws in groups
     ]
 
 
@@ -195,6 +219,7 @@ def plan_eager_weight_work(
 
     intermediates: dict[Node, None] = {}
     w_roots: dict[int, None] = {}
+    w_side: set[Node] = set()
     starts: list[tuple[torch.Tensor, set[Node], set[int]]] = []
     for w in weights:
         w_node = node_of.get(id(w))
@@ -219,8 +244,18 @@ def plan_eager_weight_work(
         if inter or outs:
             intermediates.update(inter)
             w_roots.update(dict.fromkeys(sorted(outs)))
+            w_side.update(seen)
             starts.append((w, set(inter), outs))
-    index_of = {n: k for k, n in enumerate(intermediates)}
+    eager = [n for n in intermediates if not is_split_region(n)]
+    regions = [n for n in intermediates if is_split_region(n)]
+    index_of = {n: k for k, n in enumerate(eager)}
+    region_index_of = {n: k for k, n in enumerate(regions)}
     return EagerWeightPlan(
-        list(intermediates), list(w_roots), _group_weights(starts, index_of), unreached=len(unreached)
+        eager,
+        list(w_roots),
+        _group_weights(starts, index_of, region_index_of, node_of),
+        unreached=len(unreached),
+        region_starts=regions,
+        split_regions=[n for n in b_set if is_split_region(n)],
+        w_side=w_side,
     )

@@ -1,30 +1,34 @@
 """Runtime of fxsplit-compiled backward regions.
 
 AOTAutograd calls :class:`CompiledSplitBackward` wherever it would call
-Inductor's compiled backward. What it runs depends on the *phase* the public
-API (``fxsplit.stage_backward_input`` / ``stage_backward_weight``) has set:
+Inductor's compiled backward. What it runs is decided per autograd *node* (one
+node per forward call of the region), never per process:
 
-* no phase (ordinary ``.backward()`` / ``torch.autograd.grad``): the fused
-  backward, exactly as ``backend="inductor"`` would (or dI then dW back to
-  back when no fused graph was compiled);
-* input phase (B): the dI graph only; the W work is recorded as a
-  :class:`CompiledWeightWork` holding just the live-ins, and ``None`` is
-  returned for every weight gradient so autograd does nothing more for them;
-* weight phase (the eager W run re-executing a node that B already ran): the
-  input gradients B computed but autograd had no use for then.
+* a node nobody registered (ordinary ``.backward()``, ``torch.autograd.grad``,
+  another thread's backward, another model): the fused backward, exactly as
+  ``backend="inductor"`` would (or dI then dW back to back when no fused
+  graph was compiled);
+* a node ``fxsplit.stage_backward_input`` (B) registered with an
+  :class:`InputCall` for the duration of its autograd call: the dI graph
+  only. The W work is recorded as a :class:`CompiledWeightWork` holding just
+  the live-ins, and ``None`` is returned for every weight gradient;
+* a node whose split already happened in B, registered as
+  :data:`SPLIT_DONE` while W's eager autograd calls run (they may pass through
+  it on the way to an eager weight): nothing; B and the dW graph have
+  produced everything this node contributes.
 
-The phase is process-global (the CUDA autograd engine runs backward on its
-own threads, so a thread-local would not be seen); the public API holds a
-lock while a phase is set, so one split backward runs at a time.
+Registrations are attributes on the node object (the AOTAutograd ``ctx``),
+set before the autograd call and removed when it returns. The engine tells a
+running backward which node it executes (:func:`~fxsplit._torch_internals.current_autograd_node`),
+also on the CUDA engine's device threads, so no global phase is needed and
+backward calls in other threads are untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,63 +38,110 @@ from fxsplit.passes import SplitResult
 
 log = logging.getLogger("fxsplit")
 
-__all__ = ["CompiledSplitBackward", "CompiledWeightWork"]
+__all__ = [
+    "SPLIT_DONE",
+    "CompiledSplitBackward",
+    "CompiledWeightWork",
+    "DeferredGrad",
+    "InputCall",
+    "registered",
+]
+
+# The attribute a node carries while a split backward call is registered on it.
+_CALL_ATTR = "_fxsplit_split_call"
 
 
-@dataclasses.dataclass
-class InputPhase:
-    """B is running: compiled regions record their W work here."""
+class DeferredGrad:
+    """An input gradient a region's dI graph produced in B that B's autograd
+    call had no use for: it flows into ``node`` (at ``input_nr``), which only
+    W's eager part runs. ``region_node`` is the region's autograd node."""
 
-    records: list[CompiledWeightWork] = dataclasses.field(default_factory=list)
+    __slots__ = ("region_node", "node", "input_nr", "value")
+
+    def __init__(self, region_node: Any, node: Any, input_nr: int, value: torch.Tensor) -> None:
+        self.region_node = region_node
+        self.node = node
+        self.input_nr = input_nr
+        self.value = value
 
 
-class WeightPhase:
-    """The eager part of W is running."""
+class InputCall:
+    """One B autograd call: what the regions it runs record for W.
+
+    ``weight_ids`` are the ``id``s of the weights given to B; a region keeps
+    dW gradients for those only. ``records`` and ``deferred`` fill up while
+    the call runs (appends are atomic, so several engine threads may add).
+    """
+
+    __slots__ = ("weight_ids", "records", "deferred")
+
+    def __init__(self, weight_ids: Iterable[int]) -> None:
+        self.weight_ids = frozenset(weight_ids)
+        self.records: list[CompiledWeightWork] = []
+        self.deferred: list[DeferredGrad] = []
 
 
-_phase: InputPhase | WeightPhase | None = None
-_phase_lock = threading.RLock()
+class _SplitDone:
+    """Registration for W: this node's split already happened in B."""
+
+    def __repr__(self) -> str:
+        return "SPLIT_DONE"
+
+
+SPLIT_DONE = _SplitDone()
 
 
 @contextlib.contextmanager
-def active_phase(phase: InputPhase | WeightPhase) -> Iterator[None]:
-    global _phase
-    with _phase_lock:
-        if _phase is not None:
+def registered(nodes: Sequence[Any], call: InputCall | _SplitDone) -> Iterator[None]:
+    """Register ``call`` on each autograd node of ``nodes`` for the duration of the block.
+
+    Raises ``RuntimeError``, registering nothing, if another split backward
+    call holds one of them (two calls running through the same autograd
+    graph at once, e.g. B twice on one microbatch from two threads).
+    """
+    for node in nodes:
+        other = getattr(node, _CALL_ATTR, None)
+        if other is not None:
             raise RuntimeError(
-                "fxsplit: a split backward is already running in this process; "
-                "stage_backward_input/stage_backward_weight cannot be nested"
+                "fxsplit: another split backward is running through this microbatch's autograd graph "
+                f"({node.name()} is registered by it); B and W of one microbatch cannot overlap"
             )
-        _phase = phase
-        try:
-            yield
-        finally:
-            _phase = None
-
-
-_DEFERRED = "_fxsplit_deferred_input_grads"
+    done: list[Any] = []
+    try:
+        for node in nodes:
+            setattr(node, _CALL_ATTR, call)
+            done.append(node)
+        yield
+    finally:
+        for node in done:
+            setattr(node, _CALL_ATTR, None)
 
 
 class CompiledWeightWork:
     """The W half of one compiled region for one microbatch: dW graph + live-ins.
 
-    Holds only the live-ins (and the parameters the gradients belong to), so
-    everything else the backward needed is freed when B ends. :meth:`run`
-    may be called once; it returns ``(param, grad)`` pairs and drops the
-    live-ins.
+    Holds only the live-ins and the parameters the gradients belong to (those
+    given to B; ``None`` in the other positions), so everything else the
+    backward needed is freed when B ends. :meth:`compute` is pure and may be
+    called again (a retried W); :meth:`release` drops the live-ins once W has
+    committed the gradients.
     """
 
-    __slots__ = ("_owner", "_live_ins", "params")
+    __slots__ = ("_owner", "_live_ins", "params", "accumulators")
 
     def __init__(
         self,
         owner: CompiledSplitBackward,
         live_ins: list[Any],
         params: list[torch.Tensor | None],
+        accumulators: list[Any] | None = None,
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
         self.params = params
+        # Each param's grad accumulator, as the region's autograd node links it
+        # (None where params has None): W hands the gradients to these.
+        self.accumulators = accumulators if accumulators is not None else [None] * len(params)
 
     @property
     def region(self) -> str:
@@ -106,14 +157,28 @@ class CompiledWeightWork:
     def pending(self) -> bool:
         return self._live_ins is not None
 
-    def run(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """The weights (given to B) this region computes gradients for."""
+        return [p for p in self.params if p is not None]
+
+    def compute(self, wanted: set[int] | None = None) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+        """Run the dW graph; ``(weight, grad accumulator, grad)`` for the weights
+        whose ``id`` is in ``wanted`` (all when ``None``). Changes nothing
+        observable: the live-ins stay held until :meth:`release`."""
         if self._live_ins is None:
-            raise RuntimeError(f"fxsplit: the W work of {self.region} has already run")
-        # Pass a copy: compiled graphs may clear their argument list.
+            raise RuntimeError(f"fxsplit: the W work of {self.region} has already been committed")
+        # Pass a copy: compiled graphs clear their argument list.
         grads = self._owner.run_dw(list(self._live_ins))
-        self._live_ins = None
         self._owner.stats["dw_runs"] += 1
-        return [(p, g) for p, g in zip(self.params, grads) if p is not None and g is not None]
+        return [
+            (p, acc, g)
+            for p, acc, g in zip(self.params, self.accumulators, grads)
+            if p is not None and g is not None and (wanted is None or id(p) in wanted)
+        ]
+
+    def release(self) -> None:
+        self._live_ins = None
 
 
 class CompiledSplitBackward:
@@ -145,6 +210,9 @@ class CompiledSplitBackward:
         # (None for SymInts, e.g. with dynamic shapes).
         self.input_is_tensor = tuple(input_is_tensor) if input_is_tensor is not None else None
         self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
+
+    def __repr__(self) -> str:
+        return f"<CompiledSplitBackward {self.name} stats={self.stats}>"
 
     # -- graph-level pieces -------------------------------------------------
     def run_dw(self, live_ins: list[Any]) -> list[Any]:
@@ -180,43 +248,31 @@ class CompiledSplitBackward:
 
     # -- AOTAutograd entry point -------------------------------------------
     def __call__(self, args: list[Any]) -> list[Any]:
-        phase = _phase
-        if phase is None:
+        node = ti.current_autograd_node()
+        call = getattr(node, _CALL_ATTR, None) if node is not None else None
+        if call is None:
             return self._full(args)
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "fxsplit: create_graph=True / double backward through a split backward is not supported"
             )
-        node = ti.current_autograd_node()
-        if node is None:
-            return self._full(args)
-        if isinstance(phase, WeightPhase):
-            deferred = getattr(node, _DEFERRED, None)
-            if deferred is None:
-                # Not run in B (e.g. a first stage): W does the whole backward.
-                return self._full(args)
-            setattr(node, _DEFERRED, None)
-            result: list[Any] = [None] * self.split.num_outputs
-            for i, v in deferred.items():
-                result[i] = v
-            return result
-        return self._input_phase(phase, node, args)
+        if call is SPLIT_DONE:
+            args.clear()
+            return [None] * self.split.num_outputs
+        return self._input_only(call, node, args)
 
-    def _input_phase(self, phase: InputPhase, node: Any, args: list[Any]) -> list[Any]:
+    def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
         edges = self._edges_by_output(node.next_functions)
         di_vals, live = self._di_and_live(args)
         args.clear()
-        params = self._params_of(edges, self.split.dw_outputs)
-        phase.records.append(CompiledWeightWork(self, live, params))
-        # Input grads autograd does not need now may be needed by the eager W
-        # run (an eager weight upstream of this region): keep them for it.
-        deferred = {}
+        params, accumulators = self._params_of(edges, self.split.dw_outputs, call.weight_ids)
+        call.records.append(CompiledWeightWork(self, live, params, accumulators))
+        # Input gradients this B call does not use may be needed by W's eager
+        # part (an eager weight upstream of this region): hand them to it.
         for i, v in zip(self.split.di_outputs, di_vals):
-            fn = edges[i][0] if edges[i] is not None else None
+            fn, input_nr = edges[i] if edges[i] is not None else (None, 0)
             if v is not None and fn is not None and not ti.engine_will_execute(fn):
-                deferred[i] = v
-        if deferred:
-            setattr(node, _DEFERRED, deferred)
+                call.deferred.append(DeferredGrad(node, fn, input_nr, v))
         return self._assemble(di_vals, None)
 
     def _edges_by_output(self, edges: Sequence[Any]) -> list[Any]:
@@ -238,10 +294,17 @@ class CompiledSplitBackward:
         )
 
     @staticmethod
-    def _params_of(edges: Sequence[Any], positions: Sequence[int]) -> list[torch.Tensor | None]:
+    def _params_of(
+        edges: Sequence[Any], positions: Sequence[int], wanted: frozenset[int]
+    ) -> tuple[list[torch.Tensor | None], list[Any]]:
+        """The parameter behind each weight-gradient output, if it was given to B,
+        and its grad accumulator."""
         params: list[torch.Tensor | None] = []
+        accumulators: list[Any] = []
         for i in positions:
             fn = edges[i][0] if edges[i] is not None else None
             var = getattr(fn, "variable", None) if fn is not None and ti.is_accumulate_grad(fn) else None
-            params.append(var if isinstance(var, torch.nn.Parameter) else None)
-        return params
+            keep = isinstance(var, torch.nn.Parameter) and id(var) in wanted
+            params.append(var if keep else None)
+            accumulators.append(fn if keep else None)
+        return params, accumulators

@@ -34,12 +34,8 @@ class _Held:
 
 
 def held_tensors(work: fxsplit.PendingWeightGrads) -> list[torch.Tensor]:
-    """Every tensor the pending W work holds: compiled live-ins and saved eager gradients."""
-    tensors = [g for grads in work.saved_grads for g in grads or () if isinstance(g, torch.Tensor)]
-    tensors += list(work.root_grads)
-    for record in work.compiled:
-        tensors += [v for v in record._live_ins or () if isinstance(v, torch.Tensor)]
-    return tensors
+    """Every tensor the pending W work holds: compiled live-ins, saved eager gradients, hand-over values."""
+    return work._held_tensors()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -5,6 +5,7 @@ correctly. Each case on an eager and on an fxsplit-compiled module."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -161,5 +162,110 @@ def test_split_dinputs_cannot_be_differentiated_again(mode: str) -> None:
     with pytest.raises(RuntimeError, match="does not require grad"):
         dinputs[0].sum().backward()
     fxsplit.stage_backward_weight(s.params, work1)
+    fxsplit.stage_backward_weight(s.params, s.work0)
+    assert_grads_equal([p.grad for p in s.params], [r + p for r, p in zip(s.ref_dw, s.pre)])
+
+
+class Waits(torch.autograd.Function):
+    """Identity whose backward runs ``action`` (to hold a split backward call open)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, action) -> torch.Tensor:
+        ctx.action = action
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ctx.action()
+        return g, None
+
+
+class TwoHeadsOverBody(nn.Module):
+    """A compiled body under two eager heads: two outputs through one region node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Stage()
+        self.action = lambda: None
+
+    def forward(self, x: torch.Tensor):
+        h = self.body(x)
+        return Waits.apply(h * 2, self.action), h * 3
+
+
+def test_two_split_calls_through_one_microbatch_graph_at_once_are_refused() -> None:
+    """B on one output holds the region node; B on the other output of the same
+    forward, at the same time in another thread, is refused before it changes anything."""
+    torch.manual_seed(0)
+    model = TwoHeadsOverBody()
+    model.body.compile(backend=fxsplit.backend(compiler="eager", fallback="error"))
+    params = list(model.parameters())
+    x = torch.randn(5, 4, requires_grad=True)
+    errors: list[BaseException] = []
+
+    def other_b() -> None:
+        try:
+            fxsplit.stage_backward_input([out_b], [torch.ones_like(out_b)], [x], params)
+        except RuntimeError as e:
+            errors.append(e)
+
+    def action() -> None:
+        t = threading.Thread(target=other_b)
+        t.start()
+        t.join(timeout=60)
+
+    model.action = action
+    out_a, out_b = model(x)
+    model.action = lambda: None
+    _, work = fxsplit.stage_backward_input([out_a], [torch.ones_like(out_a)], [x], params)
+    assert len(errors) == 1 and "another split backward is running" in str(errors[0])
+    x_grad = x.grad.clone()
+    fxsplit.stage_backward_weight(params, work)
+    assert all(p.grad is not None for p in params)
+    torch.testing.assert_close(x.grad, x_grad)  # the refused B added nothing
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_w_of_one_param_groups_in_two_threads_is_refused(mode: str) -> None:
+    s = scene(mode)
+    gate, release = threading.Event(), threading.Event()
+
+    def hold(g: torch.Tensor) -> None:
+        gate.set()
+        release.wait(timeout=60)
+
+    handle = s.params[0].register_hook(hold)
+    t = threading.Thread(target=fxsplit.stage_backward_weight, args=(s.params, s.work0))
+    t.start()
+    try:
+        assert gate.wait(timeout=60)
+        with pytest.raises(RuntimeError, match="already running"):
+            fxsplit.stage_backward_weight(s.params, s.work0)
+    finally:
+        release.set()
+        t.join(timeout=60)
+        handle.remove()
+    assert not s.work0.pending
+    dinputs, work1 = _b(s, [grads_like(s.out1, 1)])
+    fxsplit.stage_backward_weight(s.params, work1)
+    assert_grads_equal([p.grad for p in s.params], [r + p for r, p in zip(s.ref_dw, s.pre)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_b_that_fails_inside_autograd_leaves_the_graph_ordinary(mode: str) -> None:
+    """An exception inside B's autograd call unregisters B: an ordinary backward
+    of the same microbatch afterwards computes every gradient."""
+    s = scene(mode)
+
+    def boom(g: torch.Tensor) -> None:
+        raise ValueError("hook on the output")
+
+    handle = s.out1.register_hook(boom)
+    with pytest.raises(RuntimeError, match="stage_backward_input failed"):
+        _b(s, [grads_like(s.out1, 1)])
+    handle.remove()
+    s.assert_untouched()
+    s.out1.backward(grads_like(s.out1, 1))  # ordinary: regions run their whole backward
+    torch.testing.assert_close(s.x1.grad, s.ref_dins[1][0])
     fxsplit.stage_backward_weight(s.params, s.work0)
     assert_grads_equal([p.grad for p in s.params], [r + p for r, p in zip(s.ref_dw, s.pre)])

@@ -1,0 +1,441 @@
+"""The W work B leaves for one microbatch, and W's commit through autograd.
+
+:class:`PendingWeightGrads` holds exactly what W needs (compiled regions'
+live-ins, the gradients B saved at eager intermediates, the dI values B
+handed over, the output gradients of outputs whose backward is all weight
+work). :meth:`PendingWeightGrads.run` is W:
+
+1. **compute**: every compiled dW graph runs on its live-ins. Pure: nothing a
+   user can observe changes, and on an exception everything is still held.
+2. **commit**: :func:`commit_weight_grads`, the one place where W changes
+   ``.grad``. Each call is one autograd engine call, as
+   ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
+   are the eager W starts plus, for each weight with compiled gradients, an
+   edge to its ``AccumulateGrad`` carrying them. So
+   accumulation is autograd's own: tensor hooks and post-accumulate-grad
+   hooks fire once per weight, ``.grad`` gets the parameter's layout and
+   ``grad_dtype``, accumulates in place, and never aliases a tensor someone
+   else holds. One call per eager weight group (a call would otherwise re-run
+   input-gradient work between groups) and one for the weights only compiled
+   regions reach; a stage without eager weights commits in one call.
+3. If a commit raises (a hook, out of memory, ``KeyboardInterrupt``), the
+   weights that were accumulated are recorded as committed and
+   everything else stays pending: the same object passed to W again finishes
+   exactly the rest. The eager graph is run with ``retain_graph=True`` for
+   that reason, and dropped when W completes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+from fxsplit import _torch_internals as ti
+from fxsplit.fallback import EagerWeightPlan
+from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, registered
+
+__all__ = ["EagerGroup", "PendingWeightGrads", "WeightCommit", "commit_weight_grads"]
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@dataclasses.dataclass
+class EagerGroup:
+    """The eager part of W for a group of weights: one autograd call.
+
+    W starts at ``intermediates`` (eager nodes B ran, re-run from the
+    gradients ``grads`` B saved flowing into them; their input is pinned to
+    those, so nothing reaching them from another start is counted twice) and
+    at ``edges`` with ``edge_grads`` (dI values compiled regions computed in B
+    for an eager weight, and stage outputs whose backward is all weight work).
+    ``edge_kinds`` says which, for :meth:`PendingWeightGrads.explain`.
+    """
+
+    weights: tuple[torch.Tensor, ...]
+    accumulators: tuple[Node, ...]
+    intermediates: list[Node]
+    grads: list[tuple[torch.Tensor | None, ...] | None]
+    edges: list[GradientEdge]
+    edge_grads: list[torch.Tensor]
+    edge_kinds: list[str]
+
+    def starts(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        roots: list[GradientEdge] = []
+        values: list[torch.Tensor] = []
+        for node, grads in zip(self.intermediates, self.grads):
+            for i, g in enumerate(grads or ()):
+                if g is not None:
+                    roots.append(GradientEdge(node, i))
+                    values.append(g)
+        return roots + list(self.edges), values + list(self.edge_grads)
+
+    def pins(self) -> list[tuple[Node, tuple[torch.Tensor | None, ...]]]:
+        return [(n, tuple(g)) for n, g in zip(self.intermediates, self.grads) if g is not None]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        held = [g for grads in self.grads for g in grads or () if isinstance(g, torch.Tensor)]
+        return held + list(self.edge_grads)
+
+
+@dataclasses.dataclass
+class WeightCommit:
+    """One autograd call of W's commit: ``roots`` with ``grads`` accumulate into
+    ``weights`` through their grad ``accumulators`` (``inputs=``); ``pins``
+    fix the gradient flowing into a node."""
+
+    roots: list[GradientEdge]
+    grads: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    accumulators: list[Node]
+    pins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = dataclasses.field(default_factory=list)
+
+
+def commit_weight_grads(commit: WeightCommit, committed: set[int]) -> None:
+    """Accumulate into ``.grad`` through autograd: the only place W changes ``.grad``.
+
+    Adds to ``committed`` the ``id`` of every weight whose accumulation
+    happened, also when the call raises: that weight then has its gradient
+    and its remaining hooks are autograd's business, as in ordinary backward.
+    The autograd graph is retained so that a failed call can be repeated for
+    the weights not in ``committed``.
+
+    Which weights accumulated is read off ``.grad`` (another tensor, or the
+    same one at a new version). A post-accumulate-grad hook may put ``.grad``
+    back as it was (an optimizer step in backward that sets it to ``None``),
+    so for weights with such hooks a node pre-hook on the grad accumulator
+    marks the start of accumulation instead: it runs after every tensor hook
+    of the weight (engine order), right before accumulation.
+    """
+    before: list[tuple[int, torch.Tensor | None, int]] = []
+    marked: list[int] = []
+    handles = []
+    try:
+        for w, acc in zip(commit.weights, commit.accumulators):
+            if getattr(w, "_post_accumulate_grad_hooks", None):
+                handles.append(acc.register_prehook(lambda _grads, k=id(w): marked.append(k)))
+            else:
+                g = w.grad
+                before.append((id(w), g, -1 if g is None else g._version))
+        for node, saved in commit.pins:
+            handles.append(node.register_prehook(lambda _grads, saved=saved: saved))
+        # inputs= as edges to the accumulators: the same as the weights, without
+        # looking each accumulator up again.
+        ti.engine_backward(commit.roots, commit.grads, [GradientEdge(acc, 0) for acc in commit.accumulators])
+    finally:
+        for h in handles:
+            h.remove()
+        committed.update(marked)
+        by_id = {id(w): w for w in commit.weights}
+        for k, g, version in before:
+            now = by_id[k].grad
+            if now is not g or (g is not None and g._version != version):
+                committed.add(k)
+
+
+class ParamGroup(Mapping[str, Any]):
+    """One group of ``param_groups`` as upstream's ``stage_backward_input`` returns it:
+    ``"params"`` (the weights' grad-accumulator nodes), ``"intermediates"``
+    (nodes W re-runs) and ``"grads"`` (the gradients B saved flowing into them).
+
+    A compiled region's W work is a group with no intermediates (its dW graph
+    runs on live-ins). ``group["grads"] = [...]`` replaces the saved
+    gradients of an eager group, as upstream allows; anything else is refused.
+    """
+
+    def __init__(self, accumulators: Sequence[Node], eager: EagerGroup | None) -> None:
+        self._accumulators = tuple(accumulators)
+        self._eager = eager
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "params":
+            return set(self._accumulators)
+        if key == "intermediates":
+            return list(self._eager.intermediates) if self._eager else []
+        if key == "grads":
+            return list(self._eager.grads) if self._eager else []
+        raise KeyError(key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key != "grads" or self._eager is None:
+            raise TypeError(
+                f"fxsplit: param_groups[...][{key!r}] cannot be set"
+                + ("" if key != "grads" else ": this group is a compiled region's dW graph, which has no intermediates")
+            )
+        value = list(value)
+        if len(value) != len(self._eager.intermediates):
+            raise ValueError(
+                f"fxsplit: grads must have one entry per intermediate ({len(self._eager.intermediates)}), "
+                f"got {len(value)}"
+            )
+        for g in value:
+            if g is not None and not all(t is None or isinstance(t, torch.Tensor) for t in g):
+                raise TypeError("fxsplit: each entry of grads must be None or a tuple of tensors/None")
+        self._eager.grads = [None if g is None else tuple(g) for g in value]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("params", "intermediates", "grads"))
+
+    def __len__(self) -> int:
+        return 3
+
+    def __repr__(self) -> str:
+        kind = "eager" if self._eager else "compiled"
+        return f"ParamGroup({kind}, {len(self._accumulators)} weight(s))"
+
+
+class PendingWeightGrads(Sequence[ParamGroup]):
+    """The W work B leaves for one microbatch of one stage.
+
+    Returned by :func:`fxsplit.stage_backward_input` in the place of
+    upstream's ``param_groups`` and consumed by :func:`fxsplit.stage_backward_weight`,
+    once unless a W raised (then again, finishing what the failed W did not).
+    Iterating it yields upstream-style groups (:class:`ParamGroup`).
+    It holds only what W needs: the live-ins of each compiled region
+    (``compiled``) and, per eager group, the saved gradients and hand-over
+    values (``groups``). W drops all of it.
+    """
+
+    def __init__(
+        self,
+        weights: Sequence[torch.Tensor],
+        compiled: list[CompiledWeightWork],
+        groups: list[EagerGroup],
+        split_regions: Sequence[Any] = (),
+        unreached: int = 0,
+    ) -> None:
+        self._weights = tuple(weights)
+        self.compiled = compiled
+        self.groups = groups
+        # Regions B ran dI for: W's eager calls may pass through them and must
+        # not run them again. Weak: W only needs the ones its graph still holds.
+        self._split_regions = [weakref.ref(n) for n in split_regions] if groups else []
+        self.unreached = unreached
+        self._committed: set[int] = set()
+        self._lock = threading.Lock()
+        self.done = False
+
+    @classmethod
+    def from_b(
+        cls,
+        weights: Sequence[torch.Tensor],
+        plan: EagerWeightPlan,
+        saved: Sequence[tuple[torch.Tensor | None, ...] | None],
+        records: list[CompiledWeightWork],
+        deferred: Sequence[DeferredGrad],
+        out_edges: Sequence[GradientEdge],
+        out_grads: Sequence[torch.Tensor],
+    ) -> PendingWeightGrads:
+        """Assemble B's results. Hand-over values that no given weight needs are dropped here."""
+        region_index = {n: k for k, n in enumerate(plan.region_starts)}
+        handed: dict[int, list[tuple[GradientEdge, torch.Tensor]]] = {}
+        for d in deferred:
+            k = region_index.get(d.region_node)
+            if k is not None and d.node in plan.w_side:
+                handed.setdefault(k, []).append((GradientEdge(d.node, d.input_nr), d.value))
+        groups = []
+        for g in plan.groups:
+            edges = [e for k in g.regions for e in handed.get(k, ())]
+            kinds = ["region"] * len(edges)
+            edges += [(out_edges[j], out_grads[j]) for j in g.roots]
+            kinds += ["output"] * len(g.roots)
+            groups.append(
+                EagerGroup(
+                    weights=g.weights,
+                    accumulators=g.accumulators,
+                    intermediates=[plan.intermediates[k] for k in g.intermediates],
+                    grads=[saved[k] for k in g.intermediates],
+                    edges=[e for e, _ in edges],
+                    edge_grads=[v for _, v in edges],
+                    edge_kinds=kinds,
+                )
+            )
+        return cls(weights, records, groups, plan.split_regions, plan.unreached)
+
+    # -- upstream-style view ---------------------------------------------------
+    def _views(self) -> list[ParamGroup]:
+        views = [ParamGroup(g.accumulators, g) for g in self.groups]
+        return views + [ParamGroup([a for a in r.accumulators if a is not None], None) for r in self.compiled]
+
+    def __len__(self) -> int:
+        return len(self.groups) + len(self.compiled)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._views()[index]
+
+    def __iter__(self) -> Iterator[ParamGroup]:
+        return iter(self._views())
+
+    # -- inspection ----------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        return not self.done
+
+    @property
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights given to B (W must be given the same)."""
+        return self._weights
+
+    @property
+    def eager_weights(self) -> list[torch.Tensor]:
+        """Weights whose gradient (or part of it) W computes by eager autograd."""
+        return [w for g in self.groups for w in g.weights]
+
+    @property
+    def regions_passed_through(self) -> int:
+        """Compiled regions B ran dI for that W's eager autograd calls may pass through."""
+        return sum(r() is not None for r in self._split_regions)
+
+    @property
+    def committed(self) -> int:
+        """How many weights an interrupted W already accumulated (0 before W, and after a complete W)."""
+        return len(self._committed)
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        held = [v for r in self.compiled for v in r._live_ins or () if isinstance(v, torch.Tensor)]
+        return held + [t for g in self.groups for t in g.held_tensors()]
+
+    @property
+    def live_in_bytes(self) -> int:
+        """Bytes held for W: compiled live-ins plus saved eager gradients and hand-over values."""
+        return _nbytes(self._held_tensors())
+
+    def summary(self) -> str:
+        """Which path each part of this stage's W takes, on one line (for logs)."""
+        regions = ", ".join(sorted({r.region for r in self.compiled})) or "none"
+        n_inter = sum(len(g.intermediates) for g in self.groups)
+        n_edges = sum(len(g.edges) for g in self.groups)
+        return (
+            f"compiled W work: {len(self.compiled)} region call(s) ({regions}); "
+            f"eager W work: {len(self.eager_weights)} weight(s) via "
+            f"{n_inter} intermediate node(s) and {n_edges} edge(s); "
+            f"held for W: {self.live_in_bytes} bytes"
+            + ("" if not self.done else " [done]")
+        )
+
+    def explain(self) -> str:
+        """A multi-line account of what B did and what W will do, part by part."""
+        if self.done:
+            return "W already ran for this microbatch; nothing is held."
+        lines = []
+        for r in self.compiled:
+            lines.append(
+                f"compiled  {r.region}: dI graph ran in B; dW graph pending for {len(r.weights)} weight(s), "
+                f"holding {r.live_in_bytes} bytes of live-ins"
+            )
+        for g in self.groups:
+            for node, grads in zip(g.intermediates, g.grads):
+                lines.append(
+                    f"eager     {node.name()}: ran in B; W resumes autograd here from {_nbytes(grads or ())} "
+                    "saved bytes"
+                )
+            for edge, value, kind in zip(g.edges, g.edge_grads, g.edge_kinds):
+                if kind == "region":
+                    lines.append(
+                        f"eager     {edge.node.name()}: its input gradient came from a compiled dI graph in B; "
+                        f"W starts autograd here from {_nbytes([value])} held bytes"
+                    )
+                else:
+                    lines.append(
+                        f"eager     output {edge.node.name()}: no input gradient flows through it; W runs its "
+                        "whole backward (compiled regions there run their fused backward)"
+                    )
+        lines.append(
+            f"weights: {len(self.eager_weights)} by eager autograd in W, "
+            f"{sum(len(r.weights) for r in self.compiled)} by compiled dW graphs, "
+            f"{self.unreached} with no gradient from these outputs"
+        )
+        if self._committed:
+            lines.append(f"an interrupted W already accumulated {len(self._committed)} weight(s); W finishes the rest")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"PendingWeightGrads({self.summary()})"
+
+    # -- W -------------------------------------------------------------------------
+    def run(self) -> None:
+        """W: compute every gradient, then commit through autograd (see the module docstring).
+
+        Raises ``RuntimeError`` if W already completed or is running in
+        another thread. Any exception from the dW graphs or the commit leaves
+        the rest of the work pending (the exception carries a note saying so).
+        """
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("fxsplit: stage_backward_weight is already running for these param_groups")
+        try:
+            if self.done:
+                raise RuntimeError(
+                    "fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B"
+                )
+            try:
+                self._compute_and_commit()
+            except BaseException as e:
+                if hasattr(e, "add_note"):
+                    e.add_note(
+                        f"fxsplit: W was interrupted after accumulating {len(self._committed)} of "
+                        f"{len(self._weights)} weight(s); the rest is still pending: pass the same "
+                        "param_groups to stage_backward_weight again to finish it"
+                    )
+                raise
+            self._release()
+        finally:
+            self._lock.release()
+
+    def _compute_and_commit(self) -> None:
+        wanted = {id(w) for w in self._weights if w.requires_grad and id(w) not in self._committed}
+        # 1. compute: pure, so an exception here changes nothing.
+        compiled: dict[int, list[torch.Tensor]] = {}
+        by_id: dict[int, tuple[torch.Tensor, Node]] = {}
+        for record in self.compiled:
+            if any(id(p) in wanted for p in record.weights):
+                for p, acc, g in record.compute(wanted):
+                    compiled.setdefault(id(p), []).append(g)
+                    by_id[id(p)] = (p, acc)
+        # 2. one commit per eager group (with the compiled gradients of its
+        # weights), then one for the weights only compiled regions reach.
+        commits: list[WeightCommit] = []
+        for group in self.groups:
+            chosen = [(w, acc) for w, acc in zip(group.weights, group.accumulators) if id(w) in wanted]
+            if not chosen:
+                continue
+            roots, values = group.starts()
+            for w, acc in chosen:
+                for g in compiled.pop(id(w), ()):
+                    roots.append(GradientEdge(acc, 0))
+                    values.append(g)
+            if roots:
+                commits.append(
+                    WeightCommit(roots, values, [w for w, _ in chosen], [a for _, a in chosen], group.pins())
+                )
+        rest = [by_id[k] for k in compiled]
+        if rest:
+            roots = []
+            values = []
+            for w, acc in rest:
+                # Several regions' gradients for one weight: several roots on the
+                # same edge, which the engine sums (casting each to grad_dtype first).
+                for g in compiled.pop(id(w)):
+                    roots.append(GradientEdge(acc, 0))
+                    values.append(g)
+            commits.append(WeightCommit(roots, values, [w for w, _ in rest], [a for _, a in rest]))
+        del compiled, by_id
+        blocked = [n for n in (r() for r in self._split_regions) if n is not None]
+        with registered(blocked, SPLIT_DONE):
+            while commits:
+                commit_weight_grads(commits.pop(0), self._committed)
+
+    def _release(self) -> None:
+        for record in self.compiled:
+            record.release()
+        self.done = True
+        self.compiled = []
+        self.groups = []
+        self._split_regions = []
+        self._committed = set()
