@@ -19,6 +19,13 @@ import fxsplit
 MODES = ("eager", "compiled")
 
 
+def new_regions(before: Sequence[Any]) -> list[Any]:
+    """Regions compiled since ``before = fxsplit.compiled_regions()``. The
+    registry is weak (earlier regions may be gone), so compare by identity,
+    never by index."""
+    return [r for r in fxsplit.compiled_regions() if not any(r is b for b in before)]
+
+
 def prepare(model: nn.Module, mode: str) -> Callable[..., Any]:
     """``model`` itself, or an fxsplit-compiled wrapper sharing its parameters."""
     if mode == "eager":

@@ -23,13 +23,8 @@ from torch.testing import assert_close
 
 import fxsplit
 import zoo
+from stage_check import new_regions
 from zoo import Case, clone_inputs, forward, grad_outputs, make_grads
-
-
-def new_regions(before: list) -> list:
-    """Regions compiled since ``before = fxsplit.compiled_regions()`` (the list is
-    weak: earlier regions may be gone, so compare by identity, not by index)."""
-    return [r for r in fxsplit.compiled_regions() if not any(r is b for b in before)]
 
 
 def compile_split(module: nn.Module, compiler: str = "eager", **kw: Any) -> nn.Module:

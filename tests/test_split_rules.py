@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from stage_check import assert_grads_equal
+from stage_check import assert_grads_equal, new_regions
 
 import fxsplit
 from fxsplit import rules
@@ -109,13 +109,13 @@ def test_op_without_rule_runs_whole_in_di_and_is_reported_once(
 ) -> None:
     model = FusedLinearStage()
     ref = copy.deepcopy(model)
-    before = len(fxsplit.compiled_regions())
+    before = fxsplit.compiled_regions()
     with caplog.at_level(logging.WARNING, logger="fxsplit"):
         for dynamic in (False, True):  # two regions, one warning
             torch._dynamo.reset()
             stage = torch.compile(model, backend=fxsplit.backend(compiler="eager"), dynamic=dynamic)
             run_split(model, stage, [torch.randn(5, 6, requires_grad=True)], ref)
-    regions = fxsplit.compiled_regions()[before:]
+    regions = new_regions(before)
     assert len(regions) == 2
     for region in regions:
         split = region.split
@@ -276,13 +276,13 @@ def test_shipped_grouped_mm_rule_under_inductor(clean_rules: None) -> None:
     model = Experts(torch.ops.fxsplit_test.grouped_mm)
     ref = copy.deepcopy(model)
     stage = torch.compile(model, backend=fxsplit.backend(fused_backward=False))
-    before = len(fxsplit.compiled_regions())
+    before = fxsplit.compiled_regions()
     for tokens, offs in ((10, [3, 3, 10]), (13, [5, 9, 13])):  # an empty expert, then a resize
         offs_t = torch.tensor(offs)
         work = run_split(model, stage, [torch.randn(tokens, 16, requires_grad=True), offs_t], ref)
         assert work is not None
         check_grouped_rule_split(fxsplit.compiled_regions()[-1].split, "fxsplit_test::grouped_mm_backward")
-    regions = fxsplit.compiled_regions()[before:]
+    regions = new_regions(before)
     assert len(regions) == 2 and "symint" in [l.kind for l in regions[-1].split.live_ins]
 
 
