@@ -297,7 +297,8 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # processes
-def _worker(rank: int, world: int, port: int, cases: list[Case], results: Any, timeout_s: float) -> None:
+def _worker(rank: int, world: int, port: int, cases: list[Any], results: Any, timeout_s: float,
+            runner: Any = None) -> None:
     import torch.distributed as dist
 
     try:
@@ -307,7 +308,7 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], results: Any, t
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            out = [run_case(c, rank, world) for c in cases]
+            out = [(runner or run_case)(c, rank, world) for c in cases]
         finally:
             dist.destroy_process_group()
         results.put(("ok", rank, out))
@@ -325,8 +326,12 @@ class WorldFailed(AssertionError):
     pass
 
 
-def run_world(cases: list[Case], world: int = 2, timeout_s: float = 240.0) -> list[list[dict[str, Any]]]:
+def run_world(cases: list[Any], world: int = 2, timeout_s: float = 240.0,
+              runner: Any = None) -> list[list[dict[str, Any]]]:
     """Run ``cases`` on ``world`` spawned ranks; return each rank's results (indexed by rank).
+
+    Each rank calls ``runner(case, rank, world)`` (default :func:`run_case`; another
+    module's function, picklable by reference) for every case.
 
     Raises :class:`WorldFailed` with the rank's traceback if any rank fails,
     exits without reporting, or does not finish within ``timeout_s``.
@@ -334,7 +339,7 @@ def run_world(cases: list[Case], world: int = 2, timeout_s: float = 240.0) -> li
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, results, timeout_s), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, results, timeout_s, runner), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
