@@ -284,3 +284,45 @@ def engine_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor], inputs:
     _engine_run_backward(
         tuple(roots), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
     )
+
+
+# -- data-parallel wrappers (used by fxsplit.pipelining) ----------------------------------------
+def ddp_expect_gradients(ddp: Any, outputs: Any) -> None:
+    """Arm a ``DistributedDataParallel`` reducer for the backward that comes next,
+    so its hooks on the grad accumulators all-reduce the gradients (what DDP's
+    forward does when it is not in ``no_sync``). Upstream's pipeline stage does
+    the same before the last backward of a step. Relies on
+    ``DistributedDataParallel.reducer.prepare_for_backward`` and
+    ``torch.nn.parallel.distributed._find_tensors``."""
+    from torch.nn.parallel.distributed import _find_tensors
+
+    ddp.reducer.prepare_for_backward(list(_find_tensors(outputs)))
+
+
+def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """For every parameter FSDP2 (``fully_shard``) manages in ``module``'s tree: the
+    id of its sharded and of its unsharded parameter, mapped to the unsharded one.
+
+    Autograd records the *unsharded* parameters (FSDP2 swaps them onto the
+    modules for forward and backward, and back to the sharded DTensors when it
+    reshards), so their grad accumulators are the ones weight gradients must
+    reach; which of the two ``module.parameters()`` returns depends on when it
+    is called. Relies on ``fully_shard.state(m)._fsdp_param_groups[*].fsdp_params``
+    and ``FSDPParam.sharded_param`` / ``_unsharded_param`` (created by the first
+    all-gather and reused afterwards); parameters not yet all-gathered are left out.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mapping: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = fully_shard.state(sub)  # type: ignore[attr-defined]
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is None:
+                    continue
+                mapping[id(fsdp_param.sharded_param)] = unsharded
+                mapping[id(unsharded)] = unsharded
+    return mapping

@@ -50,8 +50,12 @@ Using it with the upstream schedules:
   ``nn.Linear(...).compile()`` silently stays eager (upstream behaviour).
   :class:`PipelineStage` logs a warning when it finds such a module.
 * Pass the *same* (in-place compiled) module to :class:`PipelineStage`.
-* DDP/FSDP-wrapped stage modules are not supported: fxsplit writes weight
-  gradients into ``.grad`` itself, so their gradient hooks would not fire.
+* Data parallelism: wrap the (in-place compiled) stage module as a whole in
+  ``DistributedDataParallel``, or shard it with FSDP2 (``fully_shard`` on each
+  block, then on the stage module). ``W`` commits the weight gradients
+  through autograd's accumulation, so the wrappers' hooks see them; DDP
+  all-reduces in the stage's last ``W`` (or ``B``) of the step, FSDP2
+  reduce-scatters at the schedule's ``REDUCE_GRAD``, once per step either way.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage as _UpstreamPipelineStage
 
+from fxsplit import _torch_internals as ti
 from fxsplit.api import PendingWeightGrads, stage_backward, stage_backward_input, stage_backward_weight
 
 log = logging.getLogger("fxsplit")
@@ -70,17 +75,52 @@ log = logging.getLogger("fxsplit")
 __all__ = ["PipelineStage"]
 
 
-def _is_data_parallel_wrapper(module: torch.nn.Module) -> str | None:
+def _data_parallel_kind(module: torch.nn.Module) -> str | None:
+    """``"ddp"``, ``"fsdp"`` (``fully_shard``; ``replicate``, an FSDP module too, is
+    driven the same way but untested) or ``None`` for the stage module, after
+    checking the wrapping is one this stage can drive.
+
+    Raises ``ValueError`` naming the problem when a wrapper sits where the
+    schedule cannot reach it (inside the stage module rather than around it),
+    when DDP and FSDP are mixed, or for DDP options that cannot work with a
+    backward split in time (see :class:`PipelineStage`).
+    """
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    prefix = "fxsplit.pipelining.PipelineStage: "
     if isinstance(module, DistributedDataParallel):
-        return "DistributedDataParallel"
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - older torch
-        return None
+        inner = [n for n, m in module.module.named_modules() if isinstance(m, (DistributedDataParallel, FSDPModule))]
+        if inner:
+            raise ValueError(
+                prefix + f"the stage module is DistributedDataParallel around another data-parallel wrapper "
+                f"({', '.join(n or 'its module' for n in inner)}); wrap the stage in DDP or FSDP2, not both"
+            )
+        if module.static_graph:
+            raise ValueError(
+                prefix + "DistributedDataParallel(static_graph=True) is not supported: DDP's static-graph mode "
+                "assumes one backward per forward and per synchronisation, while a pipeline stage runs one "
+                "backward per microbatch under no_sync; its reducer then fails (on torch 2.13: an internal "
+                "assert 'expect_autograd_hooks_' with ScheduleZBVZeroBubble, an abort with Schedule1F1B). "
+                "Use static_graph=False (the default)."
+            )
+        return "ddp"
+    nested_ddp = [n for n, m in module.named_modules() if isinstance(m, DistributedDataParallel)]
+    if nested_ddp:
+        raise ValueError(
+            prefix + f"DistributedDataParallel is applied to submodule(s) {', '.join(nested_ddp)} of the stage "
+            "module; the schedule can only defer DDP's all-reduce to the end of the step when DDP wraps the "
+            "whole stage module: pass DistributedDataParallel(stage_module) instead"
+        )
+    fsdp = [n for n, m in module.named_modules() if isinstance(m, FSDPModule)]
     if isinstance(module, FSDPModule):
-        return "FSDP (fully_shard)"
+        return "fsdp"
+    if fsdp:
+        raise ValueError(
+            prefix + f"fully_shard was applied to submodule(s) {', '.join(fsdp)} but not to the stage module "
+            "itself; the schedule turns FSDP's per-microbatch gradient reduction off, and reduces once at the "
+            "end of the step, through the stage module: call fully_shard(stage_module) after sharding its blocks"
+        )
     return None
 
 
@@ -104,25 +144,37 @@ class PipelineStage(_UpstreamPipelineStage):
     a :class:`fxsplit.PendingWeightGrads`, which the stage keeps in its
     backward state until the matching ``"weight"`` backward consumes it.
 
-    Raises ``NotImplementedError`` at construction for DDP/FSDP-wrapped stage
-    modules and ``ValueError`` if ``dw_builder`` is given (it would replace
-    the split this class exists for).
+    Data parallelism: the stage module may be wrapped, as a whole, in
+    ``DistributedDataParallel`` or sharded with FSDP2 (``fully_shard`` on the
+    stage module, usually after ``fully_shard`` on each block). Weight
+    gradients reach ``.grad`` through autograd's own accumulation at ``W``, so
+    the wrappers' hooks see them as in ordinary backward; the synchronisation
+    happens once per step:
+
+    * DDP: every backward but the stage's last of the step runs under
+      ``no_sync()``; before the last one (a ``W``, or a full ``B`` where the
+      schedule issues one) the reducer is armed, and its hooks all-reduce the
+      accumulated gradients as that backward commits them.
+    * FSDP2: gradient sync and resharding after backward are off for every
+      backward; the schedule's ``REDUCE_GRAD`` action (upstream's
+      :meth:`perform_reduce_grad`, after the stage's last ``W``/``B``)
+      reduce-scatters the accumulated gradients once.
+
+    ``scale_grads`` runs once, at ``REDUCE_GRAD``, after the synchronisation.
+
+    Raises ``ValueError`` at construction if ``dw_builder`` is given (it would
+    replace the split this class exists for) or the data-parallel wrapping is
+    one the schedule cannot drive (see ``_data_parallel_kind``).
     """
 
     def __init__(self, submodule: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        wrapper = _is_data_parallel_wrapper(submodule)
-        if wrapper is not None:
-            raise NotImplementedError(
-                f"fxsplit.pipelining.PipelineStage: the stage module is wrapped in {wrapper}; fxsplit "
-                "accumulates weight gradients into .grad itself, so the wrapper's gradient hooks would "
-                "not run. Use a plain nn.Module (compiled in place with module.compile(backend='fxsplit'))."
-            )
         bound = inspect.signature(_UpstreamPipelineStage.__init__).bind(self, submodule, *args, **kwargs)
         if bound.arguments.get("dw_builder") is not None:
             raise ValueError(
                 "fxsplit.pipelining.PipelineStage: dw_builder replaces the B/W split with your own W runner; "
                 "use torch.distributed.pipelining.PipelineStage for that"
             )
+        self._data_parallel = _data_parallel_kind(submodule)
         skipped = _builtin_modules_compiled_in_place(submodule)
         if skipped:
             log.warning(
@@ -132,6 +184,62 @@ class PipelineStage(_UpstreamPipelineStage):
                 ", ".join(skipped),
             )
         super().__init__(submodule, *args, **kwargs)
+
+    def _compute_outputs(self, *args: Any, module: torch.nn.Module, **kwargs: Any) -> Any:
+        """The forward of upstream's shape inference (first step), under DDP's ``no_sync``.
+
+        Upstream runs it as a plain forward, which arms DDP's reducer; the
+        inference backward never reaches the grad accumulators, so the reducer
+        stays armed into the step, all-reduces at the first microbatch's
+        backward and, when two backwards of a stage come before its next
+        forward (ZB-V's first stage), fails with "rebuilt parameter indices
+        size is not same as original model parameters size". The schedule's
+        own forwards run under ``no_sync`` (``forward_maybe_with_nosync``);
+        this makes the inference forward do the same. Overrides upstream's
+        ``_PipelineStage._compute_outputs`` (torch >= 2.13; unused before).
+        """
+        if self._data_parallel == "ddp" and module is self.submod:
+            with module.no_sync():  # type: ignore[operator]
+                return super()._compute_outputs(*args, module=module, **kwargs)  # type: ignore[misc]
+        return super()._compute_outputs(*args, module=module, **kwargs)  # type: ignore[misc]
+
+    def _split_weights(self) -> list[torch.Tensor]:
+        """The weights B and W work on: the stage's parameters as autograd records them.
+
+        Under FSDP2 those are the unsharded parameters (``self.submod.parameters()``
+        returns the sharded ones whenever a module is resharded); the mapping is
+        stable once each parameter was all-gathered, so B and W of a microbatch
+        see the same weights.
+        """
+        params = list(self.submod.parameters())
+        if self._data_parallel != "fsdp":
+            return params
+        unsharded = ti.fsdp_unsharded_parameters(self.submod)
+        return [unsharded.get(id(p), p) for p in params]
+
+    def _run_backward(
+        self, backward_type: str, bwd_kwargs: dict[str, Any]
+    ) -> tuple[tuple[torch.Tensor | None, ...], PendingWeightGrads | None]:
+        log.debug("fxsplit: stage %d: %s backward", self.stage_index, backward_type)
+        if backward_type == "full":
+            grads = stage_backward(
+                bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+            )
+            return grads, None
+        if backward_type == "input":
+            return stage_backward_input(
+                bwd_kwargs["stage_output"],
+                bwd_kwargs["output_grads"],
+                bwd_kwargs["input_values"],
+                self._split_weights(),
+            )
+        if backward_type == "weight":
+            stage_backward_weight(self._split_weights(), bwd_kwargs["param_groups"])
+            return (), None
+        raise ValueError(
+            f"fxsplit.pipelining.PipelineStage: unknown backward type {backward_type!r}; "
+            "expected 'full', 'input' or 'weight'"
+        )
 
     def backward_maybe_with_nosync(
         self,
@@ -144,26 +252,34 @@ class PipelineStage(_UpstreamPipelineStage):
         ``backward_type`` is ``"full"`` (``B``: returns the input gradients),
         ``"input"`` (``I``: returns the input gradients and the pending W work)
         or ``"weight"`` (``W``: consumes ``bwd_kwargs["param_groups"]``).
-        ``last_backward`` only matters to data-parallel wrappers, which this
-        stage does not accept.
+        ``last_backward`` is true for the stage's last ``B``/``W`` of the step
+        (never for ``I``): with DDP, that backward all-reduces.
         """
-        log.debug("fxsplit: stage %d: %s backward", self.stage_index, backward_type)
-        if backward_type == "full":
-            grads = stage_backward(
-                bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
-            )
-            return grads, None
-        if backward_type == "input":
-            return stage_backward_input(
-                bwd_kwargs["stage_output"],
-                bwd_kwargs["output_grads"],
-                bwd_kwargs["input_values"],
-                self.submod.parameters(),
-            )
-        if backward_type == "weight":
-            stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])
-            return (), None
-        raise ValueError(
-            f"fxsplit.pipelining.PipelineStage: unknown backward type {backward_type!r}; "
-            "expected 'full', 'input' or 'weight'"
-        )
+        if self._data_parallel == "ddp":
+            ddp = self.submod
+            if backward_type == "input" and ddp.find_unused_parameters:  # type: ignore[union-attr]
+                raise ValueError(
+                    "fxsplit.pipelining.PipelineStage: DistributedDataParallel(find_unused_parameters=True) "
+                    "cannot be used with a schedule that splits the backward into I and W: DDP finds unused "
+                    "parameters by walking the autograd graph from the stage outputs when it is armed for the "
+                    "last W, and I has already consumed that graph, so every parameter would be taken as "
+                    "unused and then reported ready twice. Use find_unused_parameters=False, or a schedule "
+                    "with full backwards only (Schedule1F1B, ScheduleInterleaved1F1B). Raised before this I "
+                    "ran: nothing was computed."
+                )
+            if last_backward:
+                # The hooks on the grad accumulators fire as this backward commits
+                # the weight gradients (autograd's accumulation, also at W), after
+                # every earlier microbatch accumulated into .grad under no_sync.
+                ti.ddp_expect_gradients(ddp, bwd_kwargs["stage_output"])
+                return self._run_backward(backward_type, bwd_kwargs)
+            with ddp.no_sync():  # type: ignore[operator]
+                return self._run_backward(backward_type, bwd_kwargs)
+        if self._data_parallel == "fsdp":
+            # Accumulate unsharded gradients over the step; perform_reduce_grad
+            # (the schedule's REDUCE_GRAD, after the last W/B) reduce-scatters once.
+            fsdp = self.submod
+            fsdp.set_is_last_backward(False)  # type: ignore[operator]
+            fsdp.set_reshard_after_backward(False)  # type: ignore[operator]
+            fsdp.set_requires_gradient_sync(False)  # type: ignore[operator]
+        return self._run_backward(backward_type, bwd_kwargs)
