@@ -326,3 +326,14 @@ def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Par
                 mapping[id(fsdp_param.sharded_param)] = unsharded
                 mapping[id(unsharded)] = unsharded
     return mapping
+
+
+def is_fsdp_replicate_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was wrapped by the FSDP-based ``replicate`` (an ``FSDPModule``
+    whose state is not ``fully_shard``'s). Relies on
+    ``torch.distributed._composable.replicate_with_fsdp.ReplicateModule``."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return isinstance(module, ReplicateModule)

@@ -76,8 +76,7 @@ __all__ = ["PipelineStage"]
 
 
 def _data_parallel_kind(module: torch.nn.Module) -> str | None:
-    """``"ddp"``, ``"fsdp"`` (``fully_shard``; ``replicate``, an FSDP module too, is
-    driven the same way but untested) or ``None`` for the stage module, after
+    """``"ddp"``, ``"fsdp"`` (``fully_shard``) or ``None`` for the stage module, after
     checking the wrapping is one this stage can drive.
 
     Raises ``ValueError`` naming the problem when a wrapper sits where the
@@ -111,6 +110,12 @@ def _data_parallel_kind(module: torch.nn.Module) -> str | None:
             prefix + f"DistributedDataParallel is applied to submodule(s) {', '.join(nested_ddp)} of the stage "
             "module; the schedule can only defer DDP's all-reduce to the end of the step when DDP wraps the "
             "whole stage module: pass DistributedDataParallel(stage_module) instead"
+        )
+    replicated = [n or "the stage module" for n, m in module.named_modules() if ti.is_fsdp_replicate_module(m)]
+    if replicated:
+        raise ValueError(
+            prefix + f"{', '.join(replicated)} is wrapped with the FSDP-based replicate(), which fxsplit's stage "
+            "has not been made to work with (only fully_shard and DistributedDataParallel are); use one of those"
         )
     fsdp = [n for n, m in module.named_modules() if isinstance(m, FSDPModule)]
     if isinstance(module, FSDPModule):

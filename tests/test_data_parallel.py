@@ -253,6 +253,17 @@ def test_ddp_around_ddp_is_refused(one_rank: Any) -> None:
         PipelineStage(DistributedDataParallel(module), 0, 1, torch.device("cpu"))
 
 
+def test_fsdp_replicate_is_refused(one_rank: Any) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    from fxsplit.pipelining import PipelineStage
+
+    module = _stage_module()
+    replicate(module)
+    with pytest.raises(ValueError, match=r"FSDP-based replicate\(\)"):
+        PipelineStage(module, 0, 1, torch.device("cpu"))
+
+
 def test_ddp_static_graph_is_refused(one_rank: Any) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
