@@ -101,14 +101,31 @@ def stage_ids_for(schedule: str, rank: int, world: int) -> tuple[list[int], int]
 
 # ---------------------------------------------------------------------------------------------
 # in-rank instrumentation: counters and FLOPs around every backward action
-def _region_totals() -> dict[str, int]:
-    import fxsplit
+class RegionRuns:
+    """Runs of every compiled region's graphs (``stats``) since construction.
 
-    totals = {"di_runs": 0, "dw_runs": 0, "fused_runs": 0}
-    for region in fxsplit.compiled_regions():
-        for k in totals:
-            totals[k] += region.stats[k]
-    return totals
+    Holds the regions it saw, so none of them is freed (and its counts lost)
+    while it counts: ``compiled_regions()`` is weak, so a difference of totals
+    could go negative when an earlier test's region is collected.
+    """
+
+    KEYS = ("di_runs", "dw_runs", "fused_runs")
+
+    def __init__(self) -> None:
+        import fxsplit
+
+        self._start = [(r, dict(r.stats)) for r in fxsplit.compiled_regions()]
+
+    def delta(self) -> dict[str, int]:
+        import fxsplit
+
+        start = {id(r): stats for r, stats in self._start}
+        totals = dict.fromkeys(self.KEYS, 0)
+        for region in fxsplit.compiled_regions():
+            before = start.get(id(region), {})
+            for k in self.KEYS:
+                totals[k] += region.stats[k] - before.get(k, 0)
+        return totals
 
 
 class MatmulFlops:
@@ -155,11 +172,10 @@ def make_recording_stage_class() -> type:
             self.actions: list[dict[str, Any]] = []
 
         def _record(self, kind: str, mb: int, fn: Any) -> None:
-            before = _region_totals()
+            runs = RegionRuns()
             with MatmulFlops() as counter:
                 fn()
-            after = _region_totals()
-            rec = {k: after[k] - before[k] for k in before}
+            rec = runs.delta()
             rec.update(stage=self.stage_index, kind=kind, mb=mb, flops=counter.total)
             self.actions.append(rec)
 

@@ -323,7 +323,7 @@ def test_ddp_hooks_fire_at_the_last_w(one_rank: Any) -> None:
     module.compile(backend=fxsplit.backend(compiler="eager", fallback="error"))
     ddp = DistributedDataParallel(module)
     stage = PipelineStage(ddp, 0, 1, torch.device("cpu"))
-    before = ph._region_totals()  # regions of earlier tests may still be listed: count the difference
+    runs = ph.RegionRuns()  # regions of earlier tests may still be listed: count the difference
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         xs = _one_rank_split_step(stage, ddp)
     ops = [op for op, _ in dh.collectives_in(prof)]
@@ -334,8 +334,7 @@ def test_ddp_hooks_fire_at_the_last_w(one_rank: Any) -> None:
     for (name, p), rp in zip(module.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, rp.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     # the whole stage is one compiled region: one dI and one dW run per microbatch, none fused
-    after = ph._region_totals()
-    assert {k: after[k] - before[k] for k in after} == {"di_runs": len(xs), "dw_runs": len(xs), "fused_runs": 0}
+    assert runs.delta() == {"di_runs": len(xs), "dw_runs": len(xs), "fused_runs": 0}
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
@@ -356,7 +355,7 @@ def test_fsdp_split_reaches_unsharded_parameters(one_rank: Any, reshard_after_fo
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(module, reshard_after_forward=reshard_after_forward)
     stage = PipelineStage(module, 0, 1, torch.device("cpu"))
-    before = ph._region_totals()
+    runs = ph.RegionRuns()
     xs = _one_rank_split_step(stage, module)
     for block in module.blocks:  # as the schedule's RESHARD would: the module shows its sharded parameters
         block.reshard()
@@ -370,6 +369,5 @@ def test_fsdp_split_reaches_unsharded_parameters(one_rank: Any, reshard_after_fo
                                    msg=lambda m, name=name: f"{name}: {m}")
     # one region per block (FSDP's hooks run between them): one dI and one dW run per block
     # and microbatch, none fused
-    after = ph._region_totals()
     n = len(xs) * len(module.blocks)
-    assert {k: after[k] - before[k] for k in after} == {"di_runs": n, "dw_runs": n, "fused_runs": 0}
+    assert runs.delta() == {"di_runs": n, "dw_runs": n, "fused_runs": 0}
