@@ -282,18 +282,30 @@ class MoEFeedForward(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm Llama-style block: x + attn(norm(x)); x + ffn(norm(x)).
 
-    ``ffn`` is a SwiGLU MLP of width ``hidden``, or the given module (e.g. a
-    :class:`MoEFeedForward`); ``attention=False`` drops the attention half.
+    ``ffn`` is the given module (e.g. a :class:`MoEFeedForward`), or else a
+    SwiGLU MLP of width ``hidden``; ``attention=False`` drops the attention
+    half. Raises ``ValueError`` if neither ``ffn`` nor ``hidden`` is given.
     """
 
     def __init__(
-        self, dim: int, heads: int, kv_heads: int, hidden: int, ffn: nn.Module | None = None, attention: bool = True
+        self,
+        dim: int,
+        heads: int,
+        kv_heads: int,
+        hidden: int | None = None,
+        *,
+        ffn: nn.Module | None = None,
+        attention: bool = True,
     ) -> None:
         super().__init__()
+        if ffn is None:
+            if hidden is None:
+                raise ValueError("LlamaBlock: give the SwiGLU width (hidden) or an ffn module")
+            ffn = SwiGLU(dim, hidden)
         self.attn_norm = RMSNorm(dim) if attention else None
         self.attn = LlamaAttention(dim, heads, kv_heads) if attention else None
         self.ffn_norm = RMSNorm(dim)
-        self.ffn = ffn if ffn is not None else SwiGLU(dim, hidden)
+        self.ffn = ffn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.attn is not None:
@@ -382,7 +394,7 @@ def _moe(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Stage:
     # Expert width = dim: top-2 of 8 experts then costs about what one dense
     # MLP of width 2 * dim does per token.
     blocks = [
-        LlamaBlock(cfg.dim, cfg.heads, kv_heads, 0,
+        LlamaBlock(cfg.dim, cfg.heads, kv_heads,
                    ffn=MoEFeedForward(cfg.dim, cfg.dim, MOE_EXPERTS, MOE_TOP_K, compute_dtype=torch.bfloat16))
         for _ in range(cfg.layers)
     ]
