@@ -239,38 +239,46 @@ def run_length(c: Any, ref: nn.Module, mod: nn.Module, cm: nn.Module, seq: int, 
     assert w.matmul.weight == fused.matmul.weight, f"seq {seq}: W={w.matmul.calls} ordinary={fused.matmul.calls}"
 
 
-def check_stage(c: Any, compiler: str, ops: Ops | None = None, mark_dynamic: bool = False, **backend_options: Any) -> None:
+DYNAMIC = ("automatic", "mark", "always")
+
+
+def check_stage(c: Any, compiler: str, ops: Ops | None = None, dynamic: str = "automatic", **backend_options: Any) -> None:
     """Compile ``c.make()`` with fxsplit and check it at every length of ``c.seqs`` (see the module docstring).
 
-    Also checks how the lengths were compiled: automatic dynamic shapes
-    compile static regions at the first length, as many dynamic ones at the
-    second and none after; with ``mark_dynamic`` (the sequence dimension of
-    every input marked dynamic) only the first length compiles, dynamic. And
-    that every backward ran compiled: dI and dW once per B/W step; the fused
-    graph (or dI and dW, with ``fused_backward=False``) once per ordinary
-    backward.
+    ``dynamic`` says how the changing length is compiled: ``"automatic"``
+    (automatic dynamic shapes: static regions at the first length, as many
+    dynamic ones at the second, none after), ``"mark"`` (the sequence
+    dimension of every input marked with ``torch._dynamo.mark_dynamic``) or
+    ``"always"`` (``torch.compile(dynamic=True)``); with the last two only the
+    first length compiles, dynamic. Also checks that every backward ran
+    compiled: dI and dW once per B/W step; the fused graph (or dI and dW,
+    with ``fused_backward=False``) once per ordinary backward.
     """
+    assert dynamic in DYNAMIC, dynamic
     ops = ops or Ops()
     ref = c.make()
     mod = copy.deepcopy(ref)
     n_before = len(fxsplit.compiled_regions())
-    cm = torch.compile(mod, backend=fxsplit.backend(compiler=compiler, fallback="error", **backend_options))
+    backend = fxsplit.backend(compiler=compiler, fallback="error", **backend_options)
+    cm = torch.compile(mod, backend=backend, dynamic=True if dynamic == "always" else None)
     first: list[Any] = []
     for k, seq in enumerate(c.seqs):
-        run_length(c, ref, mod, cm, seq, ops, mark_dynamic)
+        run_length(c, ref, mod, cm, seq, ops, mark_dynamic=dynamic == "mark")
         if k == 0:
             first = fxsplit.compiled_regions()[n_before:]
             assert first, "nothing was compiled by fxsplit"
 
     regions = fxsplit.compiled_regions()[n_before:]
     n = len(first)
-    if mark_dynamic:
-        assert len(regions) == n, f"recompiled after the first length: {len(regions)} regions, expected {n}"
-        runs = [(r, len(c.seqs)) for r in regions]
-    else:
+    if dynamic == "automatic":
         assert len(regions) == 2 * n, f"expected {n} static and {n} dynamic regions, got {len(regions)}"
         runs = [(r, 1) for r in regions[:n]] + [(r, len(c.seqs) - 1) for r in regions[n:]]
-    for r in regions[n:] if not mark_dynamic else regions:
+        dynamic_regions = regions[n:]
+    else:
+        assert len(regions) == n, f"recompiled after the first length: {len(regions)} regions, expected {n}"
+        runs = [(r, len(c.seqs)) for r in regions]
+        dynamic_regions = regions
+    for r in dynamic_regions:
         placeholders = r.split.di_graph.graph.find_nodes(op="placeholder")
         assert any(isinstance(p.meta.get("val"), torch.SymInt) for p in placeholders), f"{r.name} is not dynamic"
     fused = backend_options.get("fused_backward", True)
