@@ -17,6 +17,14 @@ Each :class:`Case` has a ``name``, a ``factory`` returning a fresh
 Small helpers shared by the test modules are at the bottom:
 :func:`grad_outputs` (outputs requiring grad, flattened), :func:`make_grads`,
 :func:`clone_inputs`, :func:`forward`.
+
+Transformer-style stages (issue 8) are in :data:`STAGE_CASES`, kept apart
+from :data:`CASES` because they run at several sequence lengths: a Llama-,
+a GPT-2- and two MoE-style blocks (experts through ``F.grouped_mm`` or
+through the custom op ``fxsplit_test::expert_mm``, whose backward is a second
+custom op returning ``(grad_input, grad_weight)`` in one tuple), each as a
+middle and a last stage, in float32 and under bfloat16 autocast.
+:data:`FLOP_FORMULAS` counts the ops ``FlopCounterMode`` does not know.
 """
 
 from __future__ import annotations
@@ -30,8 +38,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["CASES", "Case", "case", "clone_inputs", "forward", "grad_outputs", "make_grads"]
+from fxsplit.bench.models import Block, LlamaBlock, MoEFeedForward, RMSNorm, grouped_mm_experts
+
+__all__ = [
+    "CASES", "CUSTOM_MATMULS", "Case", "FLOP_FORMULAS", "STAGE_CASES", "StageCase", "case", "clone_inputs", "expert_mm",
+    "expert_mm_backward", "expert_mm_backward_flops", "expert_mm_flops", "forward", "grad_outputs", "make_grads",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +236,230 @@ CASES: dict[str, Case] = {c.name: c for c in _CASE_LIST}
 
 def case(name: str) -> Case:
     return CASES[name]
+
+
+# ---------------------------------------------------------------- experts as custom ops
+# A grouped matmul registered with torch.library, opaque to Dynamo and
+# Inductor, whose backward is a second custom op computing the input and the
+# weight gradient together and returning them in one tuple: the shape of the
+# CPU fallback that MoE model code ships for when grouped_mm cannot be used.
+# Written as plain per-expert loops (the reference semantics, not fast).
+
+
+@torch.library.custom_op("fxsplit_test::expert_mm", mutates_args=())
+def expert_mm(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``rows[offs[i-1]:offs[i]] @ weight[i]`` for each expert ``i`` (``rows`` sorted by expert)."""
+    out = rows.new_zeros(rows.shape[0], weight.shape[2])
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        out[start:end] = rows[start:end] @ weight[i]
+        start = end
+    return out
+
+
+@expert_mm.register_fake
+def _expert_mm_fake(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("fxsplit_test::expert_mm_backward", mutates_args=())
+def expert_mm_backward(
+    rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_rows, grad_weight)`` of :func:`expert_mm`, both from one call."""
+    grad_rows = torch.zeros_like(rows)
+    grad_weight = torch.zeros_like(weight)
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        grad_rows[start:end] = grad_out[start:end] @ weight[i].T
+        grad_weight[i] = rows[start:end].T @ grad_out[start:end]
+        start = end
+    return grad_rows, grad_weight
+
+
+@expert_mm_backward.register_fake
+def _expert_mm_backward_fake(
+    rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(rows), torch.empty_like(weight)
+
+
+def _expert_mm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _expert_mm_grad(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    rows, weight, offs = ctx.saved_tensors
+    grad_rows, grad_weight = torch.ops.fxsplit_test.expert_mm_backward(rows, weight, offs, grad_out)
+    return grad_rows, grad_weight, None
+
+
+expert_mm.register_autograd(_expert_mm_grad, setup_context=_expert_mm_setup)
+
+
+def _custom_op_experts(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch.ops.fxsplit_test.expert_mm(rows, weight, offs)
+
+
+# FLOP formulas (FlopCounterMode ``custom_mapping``) for the ops its registry
+# lacks: shapes in, FLOPs out; a multiply-add counts 2, as torch's formulas do.
+
+
+def expert_mm_flops(rows: Any, weight: Any, offs: Any, *, out_shape: Any = None) -> int:
+    return 2 * rows[0] * rows[1] * weight[2]
+
+
+def expert_mm_backward_flops(rows: Any, weight: Any, offs: Any, grad_out: Any, *, out_shape: Any = None) -> int:
+    return 2 * (2 * rows[0] * rows[1] * weight[2])  # grad_rows and grad_weight, one matmul each
+
+
+def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """``aten._grouped_mm``: the jagged dimension is split among groups, so
+    every row (2-D ``a``) or column (2-D ``b``) is multiplied once."""
+    if len(a) == 2 and len(b) == 3:  # (rows, k) x (groups, k, n): forward / input gradient
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:  # (m, rows) x (rows, n) -> (groups, m, n): weight gradient
+        return 2 * a[0] * a[1] * b[1]
+    if len(a) == 3 and len(b) == 2:  # (groups, m, k) x (k, cols) -> (m, cols)
+        return 2 * a[1] * a[2] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[2]  # (groups, m, k) x (groups, k, n)
+
+
+def _cpu_sdpa_flops(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_sdpa_backward_flops(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad, q, k, v)
+
+
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    torch.ops.fxsplit_test.expert_mm: expert_mm_flops,
+    torch.ops.fxsplit_test.expert_mm_backward: expert_mm_backward_flops,
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+
+# The custom matmul ops, each mapped to whether one call computes an input
+# and a weight gradient together (then half its FLOPs are weight-gradient work).
+CUSTOM_MATMULS: dict[Any, bool] = {
+    torch.ops.fxsplit_test.expert_mm: False,
+    torch.ops.fxsplit_test.expert_mm_backward: True,
+}
+
+
+# ---------------------------------------------------------------- transformer stages (issue 8)
+
+DIM, HEADS, KV_HEADS, HIDDEN, EXPERTS, TOP_K, VOCAB, BATCH = 32, 4, 2, 48, 4, 2, 40, 2
+# Odd sequence lengths: no token count (batch * seq, or * top_k) equals a
+# dimension of any weight, so a matmul's output shape tells whether it is a
+# weight gradient (tests classify matmuls that way).
+SEQS = (7, 11, 5)
+
+
+class LastStage(nn.Module):
+    """``block``, then a final norm, an LM head and the mean cross-entropy loss."""
+
+    def __init__(self, block: nn.Module, norm: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.norm = norm
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.block(x)))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _llama() -> tuple[nn.Module, nn.Module]:
+    return LlamaBlock(DIM, HEADS, KV_HEADS, HIDDEN), RMSNorm(DIM)
+
+
+def _gpt2() -> tuple[nn.Module, nn.Module]:
+    return Block(DIM, HEADS), nn.LayerNorm(DIM)
+
+
+def _moe(expert_fn: Callable[..., torch.Tensor]) -> Callable[[], tuple[nn.Module, nn.Module]]:
+    def make() -> tuple[nn.Module, nn.Module]:
+        # The MoE feed-forward alone (no attention), so that an expert problem
+        # is not hidden behind an attention one; the Llama block covers that.
+        ffn = MoEFeedForward(DIM, HIDDEN // 2, EXPERTS, TOP_K, expert_mm=expert_fn)
+        return LlamaBlock(DIM, HEADS, KV_HEADS, ffn=ffn, attention=False), RMSNorm(DIM)
+
+    return make
+
+
+BLOCKS: dict[str, Callable[[], tuple[nn.Module, nn.Module]]] = {
+    "llama": _llama,
+    "gpt2": _gpt2,
+    "moe_grouped_mm": _moe(grouped_mm_experts),
+    "moe_custom_op": _moe(_custom_op_experts),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCase:
+    """A transformer-style pipeline stage run at the sequence lengths ``seqs`` in a row.
+
+    ``stage``: ``"middle"`` (input: hidden states requiring grad; output:
+    hidden states) or ``"last"`` (inputs: hidden states and labels; output:
+    the loss). ``autocast``: forward under bfloat16 autocast.
+    """
+
+    block: str
+    stage: str
+    autocast: bool
+    seqs: tuple[int, ...] = SEQS
+
+    @property
+    def name(self) -> str:
+        return f"{self.block}-{self.stage}-{'bf16' if self.autocast else 'fp32'}"
+
+    def assert_close(self, got: torch.Tensor, want: torch.Tensor, msg: str) -> None:
+        """``got`` matches eager autograd's ``want`` up to sums reordered by
+        decompositions (float32), or roundings to bfloat16 taken at other points
+        (Inductor computes fused bfloat16 math in float32): relative to each
+        element, and absolute relative to the tensor's largest element."""
+        rel = 3e-2 if self.autocast else 1e-4
+        scale = float(want.detach().abs().max()) if want.numel() else 0.0
+        torch.testing.assert_close(got, want, rtol=rel, atol=rel * max(scale, 1e-3), msg=lambda m: f"{msg}: {m}")
+
+    def make(self) -> nn.Module:
+        """A fresh module with deterministic weights."""
+        torch.manual_seed(0)
+        block, norm = BLOCKS[self.block]()
+        return block if self.stage == "middle" else LastStage(block, norm)
+
+    def inputs(self, seq: int) -> tuple[torch.Tensor, ...]:
+        """Deterministic stage inputs for sequence length ``seq``."""
+        gen = torch.Generator().manual_seed(seq)
+        x = torch.randn(BATCH, seq, DIM, generator=gen).requires_grad_()
+        if self.stage == "middle":
+            return (x,)
+        return x, torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+
+    def context(self) -> contextlib.AbstractContextManager[None]:
+        """The context the forward runs in."""
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# torch 2.13 compiles grouped_mm only in bfloat16 (its meta function raises
+# "Expected inputs of BF16 type" for float32, though the eager CPU kernel
+# accepts float32), so the grouped_mm MoE runs under autocast only.
+STAGE_CASES: dict[str, StageCase] = {
+    c.name: c
+    for c in (
+        StageCase(block, stage, autocast)
+        for block in BLOCKS
+        for stage in ("middle", "last")
+        for autocast in (False, True)
+    )
+    if c.autocast or c.block != "moe_grouped_mm"
+}
 
 
 # ---------------------------------------------------------------- helpers

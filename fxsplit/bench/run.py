@@ -143,6 +143,8 @@ _DEFAULT_SIZES = {
     "gpt": dict(batch=4, seq=128, layers=2, dim=256, heads=4),
     "mlp": dict(batch=8, seq=64, layers=4, dim=256),
     "conv": dict(batch=4, seq=16, layers=3, dim=32),
+    "llama": dict(batch=4, seq=128, layers=2, dim=256, heads=4),
+    "moe": dict(batch=4, seq=128, layers=2, dim=256, heads=4),
 }
 # Tiny sizes for --quick on a model this table does not list (a model added to MODELS).
 _GENERIC_QUICK = dict(batch=1, seq=16, layers=1, dim=32, heads=2)
@@ -150,6 +152,8 @@ _QUICK_SIZES = {
     "gpt": dict(batch=1, seq=16, layers=1, dim=32, heads=2),
     "mlp": dict(batch=1, seq=16, layers=1, dim=32),
     "conv": dict(batch=1, seq=8, layers=1, dim=8),
+    "llama": dict(batch=1, seq=16, layers=1, dim=32, heads=2),
+    "moe": dict(batch=1, seq=16, layers=1, dim=32, heads=2),
 }
 
 
