@@ -38,7 +38,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import networkx as nx
-from networkx.algorithms.flow import preflow_push
+from networkx.algorithms.flow import boykov_kolmogorov
 import sympy
 import torch
 import torch.fx as fx
@@ -84,7 +84,7 @@ def _smallest_sink_side(flow: nx.DiGraph) -> set[Any]:
     """Of all minimum source/sink cuts of ``flow``, the sink side with the
     fewest nodes: the nodes that can still reach the sink in the residual
     network of a maximum flow. (Edges without a capacity are infinite.)"""
-    residual = preflow_push(flow, "source", "sink")
+    residual = boykov_kolmogorov(flow, "source", "sink")
     can_reach = {"sink"}
     stack = ["sink"]
     while stack:
