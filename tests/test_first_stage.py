@@ -279,3 +279,39 @@ def test_first_stage_end_to_end(compiler: str, fused: bool) -> None:
     cm(x).backward(g)
     for p, q in zip(ref.parameters(), mod.parameters()):
         assert_close(q.grad, p.grad)
+
+
+def test_first_stage_divides_a_multi_output_op_by_its_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Linears whose backward is one custom op returning (grad_input,
+    grad_weight): on a first stage the second op's grad_input is the chain and
+    its grad_weight a leaf, so its split rule divides it (dI: one matmul, dW:
+    the other); gradients through the backend match eager."""
+    from fxsplit.rules import trace_split_rule
+    from test_split_rules import FUSED_BW, FusedLinearStage, fused_linear_rule
+
+    fxsplit.register_split_rule(FUSED_BW, fused_linear_rule)
+    try:
+        torch.manual_seed(0)
+        model, x = FusedLinearStage(), torch.randn(5, 6)
+        bw, weight_outputs = captured_backward(monkeypatch, copy.deepcopy(model), x)
+        split = split_backward(bw, weight_outputs, rule=trace_split_rule)
+        assert split.mode == "first_stage"
+        assert [s.how for s in split.shared] == ["rule"]
+        args = random_args(bw)
+        check_contract(bw, weight_outputs, args, rule=trace_split_rule)
+        _, di, _ = phase_flops(bw, split, args)
+        assert di == Counts({"aten.mm": 2 * 5 * 6 * 12})  # the chain: grad_input of the second Linear
+
+        monkeypatch.undo()
+        torch._dynamo.reset()
+        ref, mod = model, copy.deepcopy(model)
+        cm = torch.compile(mod, backend=fxsplit.backend(compiler="eager", fallback="error", fused_backward=False))
+        g = torch.randn(5, 6)
+        ref(x).backward(g)
+        out = cm(x)
+        _, work = fxsplit.stage_backward_input([out], [g], [x], mod.parameters())
+        fxsplit.stage_backward_weight(mod.parameters(), work)
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            assert_close(q.grad, p.grad)
+    finally:
+        fxsplit.unregister_split_rule(FUSED_BW)

@@ -131,6 +131,7 @@ def test_small_result_is_decided_on_sympy_sizes() -> None:
     assert not is_small_result(s1, 2 * s1)  # ratio 2
     assert not is_small_result(sympy.Integer(4), sympy.Integer(8))
     assert not is_small_result(s1, 8 * s0)  # a symbol the input does not have
+    assert not is_small_result(sympy.Integer(0), sympy.Integer(8))  # empty
 
 
 def test_symbolic_rows_reduction_moves() -> None:

@@ -76,6 +76,8 @@ def is_small_result(out_numel: sympy.Expr, in_numel: sympy.Expr) -> bool:
     """Whether a reduction from ``in_numel`` to ``out_numel`` elements yields a
     small result, reasoning only on the sympy expressions (see module docs)."""
     out_syms, in_syms = out_numel.free_symbols, in_numel.free_symbols
+    if out_numel.is_zero or in_numel.is_zero:
+        return False  # an empty tensor: nothing to gain
     if not out_syms <= in_syms:
         return False
     if out_syms < in_syms:

@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from fxsplit.passes.cut import Cut, choose_cut
 from fxsplit.passes.first_stage import WeightLeaves, weight_leaves
-from fxsplit.passes.memory import bindings_from_values, evaluate_bytes, value_bytes
+from fxsplit.passes.memory import bindings_from_values, evaluate_bytes, storage_root, value_bytes
 from fxsplit.passes.placement import DEFER_MODES, Placement, place_weight_work
 from fxsplit.passes.shared import OutputSubset, SharedNode, find_shared_nodes, split_shared_node
 from fxsplit.passes.symbols import is_symbolic_scalar, missing_bindings
@@ -70,8 +70,8 @@ class LiveIn:
 
     ``source`` is ``"input"`` for a backward-graph placeholder (a saved
     activation, a tangent or a SymInt) and ``"dI"`` for a value computed by
-    the dI graph. ``nbytes`` is what the value holds, in the graph's size
-    symbols (0 for anything but a tensor).
+    the dI graph. ``nbytes`` is the bytes of the storage it keeps alive (a
+    view's base), in the graph's size symbols (0 for anything but a tensor).
     """
 
     name: str
@@ -410,7 +410,7 @@ def split_backward(
             name=n.name,
             source="input" if n.op == "placeholder" else "dI",
             kind=_kind(n),
-            nbytes=value_bytes(n),
+            nbytes=value_bytes(storage_root(n)),
         )
         for n in live_nodes
     )
