@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 import fxsplit
 from fxsplit.passes import split_backward
-from fxsplit.passes.memory import evaluate_bytes, provably_at_most
+from fxsplit.passes.memory import evaluate_bytes, provably_at_most, size_lower_bounds
 from graph_builder import GraphBuilder, check_contract, node_names, placeholder_vals, run, symbolic_mode
 from test_split_pass import flattened_linear_backward, mlp_backward
 
@@ -184,6 +184,15 @@ def test_provably_at_most() -> None:
     floordiv = torch.utils._sympy.functions.FloorDiv(s0, 2)
     assert not provably_at_most(floordiv, s0)  # true, but not shown by polynomial coefficients
     assert evaluate_bytes(4 * s0 * s1 + 16, {s0: 2, s1: 3}) == 40
+    # With the shape environment's lower bounds (Dynamo's sizes are >= 2):
+    assert not provably_at_most(2956 * s0 + 128, 3072 * s0)  # false at s0 = 1
+    assert provably_at_most(2956 * s0 + 128, 3072 * s0, {s0: 2})
+
+
+def test_size_lower_bounds_come_from_the_shape_environment() -> None:
+    bw, _, (s0, s1) = flattened_linear_backward()
+    bounds = size_lower_bounds(bw.graph.nodes)
+    assert bounds == {s0.node.expr: 2, s1.node.expr: 2}
 
 
 def test_symbolic_upcast_keeps_the_narrow_value_for_every_size() -> None:
@@ -261,3 +270,48 @@ def test_cheaper_cut_through_the_backend(compiler: str, defer: str) -> None:
     )
     bindings: dict[sympy.Symbol, int] = {}
     assert split.live_in_bytes(bindings) < split.all_crossing_bytes(bindings)
+
+
+class NormMLPStack(nn.Module):
+    """Two residual ``LayerNorm -> Linear -> GELU -> Linear`` blocks. With
+    ``defer="all"`` the LayerNorm weight gradients stay in dW; their pointwise
+    inputs are cheaper to recompute there than to hand over."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                    for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_cheaper_cut_with_dynamic_sizes() -> None:
+    """``dynamic=True``: the cheaper cut holds fewer bytes for every row count
+    the shape environment allows (>= 2), so it is kept; gradients match eager
+    at several row counts with the one region."""
+    torch.manual_seed(0)
+    ref = NormMLPStack()
+    mod = copy.deepcopy(ref)
+    cm = torch.compile(mod, backend=fxsplit.backend(compiler="eager", fallback="error", defer="all"), dynamic=True)
+    n_before = len(fxsplit.compiled_regions())
+    for rows in (6, 3, 9):
+        x = torch.randn(rows, 16)
+        xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+        g = torch.randn(rows, 16)
+        for p in (*ref.parameters(), *mod.parameters()):
+            p.grad = None
+        ref(xr).backward(g)
+        (dx,), work = fxsplit.stage_backward_input([cm(xg)], [g], [xg], mod.parameters())
+        fxsplit.stage_backward_weight(mod.parameters(), work)
+        assert_close(dx, xr.grad)
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            assert_close(q.grad, p.grad)
+    (region,) = fxsplit.compiled_regions()[n_before:]
+    split = region.split
+    assert split.cut.saves_bytes and split.cut.recomputed, split.describe()
+    (sym,) = split.live_in_bytes_expr.free_symbols
+    for rows in (2, 3, 100):
+        assert split.live_in_bytes({sym: rows}) < split.all_crossing_bytes({sym: rows})

@@ -27,7 +27,8 @@ compared with every size symbol set to :data:`LARGE_SIZE`, so a value that
 grows with the batch or sequence outweighs any fixed-size one, regardless of
 the sizes the graph was traced with; the cut found is then checked
 symbolically (:func:`fxsplit.passes.memory.provably_at_most`) and kept only if
-it holds no more bytes than the all-crossing cut for every size, else the
+it holds no more bytes than the all-crossing cut for every size the shape
+environment allows (Dynamo's dynamic sizes are at least 2), else the
 all-crossing cut is used.
 """
 
@@ -43,7 +44,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fxsplit.passes.memory import held_bytes, provably_at_most, storage_root, value_bytes
+from fxsplit.passes.memory import held_bytes, provably_at_most, size_lower_bounds, storage_root, value_bytes
 from fxsplit.passes.roles import is_recomputable
 
 __all__ = ["LARGE_SIZE", "Cut", "choose_cut"]
@@ -60,7 +61,8 @@ class Cut:
     graph order). ``held_bytes_expr`` is the bytes the chosen live-ins hold,
     ``all_crossing_bytes_expr`` what handing over every value dW reads that dI
     has would hold (see :mod:`fxsplit.passes.memory` for how aliases count);
-    the first is never larger than the second, for any size.
+    the first is never larger than the second, for any size the shape
+    environment allows.
     """
 
     recomputed: tuple[str, ...] = ()
@@ -153,7 +155,7 @@ def choose_cut(
     recomputed.sort(key=order.__getitem__)
 
     chosen = held_bytes(crossing)
-    if not provably_at_most(chosen, all_bytes):
+    if not provably_at_most(chosen, all_bytes, size_lower_bounds([*needed_sorted, *crossing])):
         return all_crossing
     cut = Cut(
         recomputed=tuple(n.name for n in recomputed),

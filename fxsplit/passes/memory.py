@@ -32,6 +32,7 @@ __all__ = [
     "held_bytes",
     "provably_at_most",
     "size_expr",
+    "size_lower_bounds",
     "storage_root",
     "value_bytes",
 ]
@@ -108,11 +109,35 @@ def bindings_from_values(placeholder_vals: Sequence[Any], values: Sequence[Any])
     return found
 
 
-def provably_at_most(small: sympy.Expr, large: sympy.Expr) -> bool:
-    """Whether ``small <= large`` for every positive value of the size symbols:
+def size_lower_bounds(nodes: Iterable[fx.Node]) -> dict[sympy.Symbol, int]:
+    """The smallest value each size symbol of ``nodes``' values may take, as the
+    shape environment records it (Dynamo's dynamic sizes are at least 2: 0 and
+    1 are specialized). A symbol without a known positive bound gets 0."""
+    bounds: dict[sympy.Symbol, int] = {}
+    for n in nodes:
+        val = n.meta.get("val")
+        sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
+        for size in sizes:
+            if not isinstance(size, torch.SymInt):
+                continue
+            ranges = getattr(size.node.shape_env, "var_to_range", {})
+            for sym in sympy.sympify(size.node.expr).free_symbols:
+                vr = ranges.get(sym)
+                lower = vr.lower if vr is not None else None
+                bounds[sym] = int(lower) if lower is not None and lower.is_finite and lower > 0 else 0
+    return bounds
+
+
+def provably_at_most(
+    small: sympy.Expr, large: sympy.Expr, lower_bounds: Mapping[sympy.Symbol, int] | None = None
+) -> bool:
+    """Whether ``small <= large`` for every value of the size symbols at or above
+    their ``lower_bounds`` (0 when absent): with each symbol shifted by its bound,
     ``large - small``, expanded, is a polynomial with no negative coefficient.
     ``False`` when that cannot be shown (e.g. floor divisions)."""
-    diff = sympy.expand(sympy.sympify(large) - sympy.sympify(small))
+    diff = sympy.sympify(large) - sympy.sympify(small)
+    shift = {sym: sym + lb for sym, lb in (lower_bounds or {}).items() if lb and sym in diff.free_symbols}
+    diff = sympy.expand(diff.xreplace(shift) if shift else diff)
     if diff.is_number:
         return bool(diff >= 0)
     symbols = sorted(diff.free_symbols, key=str)
