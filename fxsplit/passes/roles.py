@@ -14,6 +14,7 @@ torch says nothing about is treated as heavy: never recomputed, never moved.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -52,9 +53,12 @@ _CONTRACTION_NAMES = frozenset(
 _CONVERSIONS = frozenset({aten._to_copy.default})
 
 
-def _overload(node: fx.Node) -> torch._ops.OpOverload | None:
+def _overload(node: fx.Node) -> Any:
+    """``node``'s operator overload (it has a schema and tags), or ``None``."""
     target = node.target
-    return target if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) else None
+    if node.op == "call_function" and hasattr(target, "_schema") and hasattr(target, "tags"):
+        return target
+    return None
 
 
 def _has_tag(node: fx.Node, tag: torch.Tag) -> bool:
@@ -92,7 +96,7 @@ def is_pointwise(node: fx.Node) -> bool:
 def is_view(node: fx.Node) -> bool:
     """An op whose output aliases its first input (the schema says so)."""
     op = _overload(node)
-    return op is not None and op.is_view
+    return op is not None and bool(getattr(op, "is_view", False))
 
 
 def is_recomputable(node: fx.Node) -> bool:
