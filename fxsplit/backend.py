@@ -112,22 +112,36 @@ class BackendOptions:
         :class:`FxsplitCompileError`. ``None`` (default): ``fxsplit.config.fallback``
         when the region compiles (``"eager"`` unless changed).
     inductor_config: Inductor config patches (as ``torch.compile(options=...)``).
+    defer: what the dW graph defers. ``"matmuls"``: every weight-gradient
+        matmul (and convolution, grouped matmul), while cheap weight reductions
+        (bias gradients, LayerNorm/RMSNorm weight gradients) run in dI, fused
+        with the kernels that produce their inputs, and only their small
+        results wait for W; ``"all"``: every weight-gradient computation runs
+        in dW, so B does none. ``None`` (default): ``fxsplit.config.defer``
+        when the region compiles (``"matmuls"`` unless changed).
     """
 
     compiler: str = "inductor"
     fused_backward: bool = True
     fallback: str | None = None
     inductor_config: dict[str, Any] | None = None
+    defer: str | None = None
 
     def __post_init__(self) -> None:
         if self.compiler not in _COMPILERS:
             raise ValueError(f"fxsplit: compiler must be one of {_COMPILERS}, got {self.compiler!r}")
         if self.fallback is not None and self.fallback not in config.FALLBACKS:
             raise ValueError(f"fxsplit: fallback must be one of {config.FALLBACKS} or None, got {self.fallback!r}")
+        if self.defer is not None and self.defer not in config.DEFERS:
+            raise ValueError(f"fxsplit: defer must be one of {config.DEFERS} or None, got {self.defer!r}")
 
     def resolved_fallback(self) -> str:
         """The fallback mode in force now: this option, else ``fxsplit.config.fallback``."""
         return self.fallback if self.fallback is not None else config.current_fallback()
+
+    def resolved_defer(self) -> str:
+        """The placement policy in force now: this option, else ``fxsplit.config.defer``."""
+        return self.defer if self.defer is not None else config.current_defer()
 
 
 # Every live region compiled in this process, for inspection, oldest first.
@@ -228,7 +242,7 @@ def _compile_split_backward(
     name = build.name
     inner = _inner_compile_for(opts)
     build.graph = "split"
-    split = split_backward(bw, _weight_outputs(bw, is_param), rule=trace_split_rule)
+    split = split_backward(bw, _weight_outputs(bw, is_param), rule=trace_split_rule, defer=opts.resolved_defer())
     ti.declare_no_donated_buffers()
     log.debug("fxsplit: %s split:\n%s", name, split.describe())
     _report_weight_work_in_di(name, split)
@@ -272,8 +286,11 @@ def _compile_split_backward(
     region = CompiledSplitBackward(split, run_di, run_dw, run_fused, name=name, input_is_tensor=is_tensor)
     _REGIONS[next(_region_serials)] = region
     log.info(
-        "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins",
+        "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins "
+        "holding %s bytes%s",
         name, opts.compiler, len(split.di_outputs), len(split.dw_outputs), len(split.live_ins),
+        split.live_in_bytes_expr,
+        " (first stage: dI runs the activation-gradient chain)" if split.mode == "first_stage" else "",
     )
     build.graph = "aot"  # what remains is AOTAutograd's wrapping
     return region

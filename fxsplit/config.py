@@ -23,25 +23,37 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FALLBACKS", "fallback", "patch"]
+from fxsplit.passes.placement import DEFER_MODES
+
+__all__ = ["DEFERS", "FALLBACKS", "defer", "fallback", "patch"]
 
 FALLBACKS = ("eager", "error")
+DEFERS = DEFER_MODES
 
 fallback: str = os.environ.get("FXSPLIT_FALLBACK", "eager")
+defer: str = os.environ.get("FXSPLIT_DEFER", "matmuls")
+
+_CHOICES = {"fallback": FALLBACKS, "defer": DEFERS}
 
 
 def _check(name: str, value: Any) -> None:
-    if name == "fallback":
-        if value not in FALLBACKS:
-            raise ValueError(f"fxsplit.config.fallback must be one of {FALLBACKS}, got {value!r}")
-        return
-    raise AttributeError(f"fxsplit.config has no option {name!r} (options: fallback)")
+    choices = _CHOICES.get(name)
+    if choices is None:
+        raise AttributeError(f"fxsplit.config has no option {name!r} (options: {', '.join(_CHOICES)})")
+    if value not in choices:
+        raise ValueError(f"fxsplit.config.{name} must be one of {choices}, got {value!r}")
 
 
 def current_fallback() -> str:
     """``fallback``, validated (it may come from the environment or a plain assignment)."""
     _check("fallback", fallback)
     return fallback
+
+
+def current_defer() -> str:
+    """``defer``, validated (it may come from the environment or a plain assignment)."""
+    _check("defer", defer)
+    return defer
 
 
 @contextlib.contextmanager

@@ -11,12 +11,23 @@ use the eager inner compiler, which is exact and fast.
 Only the backward phases run under the counter: a forward run under a
 dispatch mode makes Dynamo run that module eagerly from then on (upstream
 behaviour), which would silently take the compiled region out of the test.
+
+What B may compute. With the default placement (``defer="matmuls"``), B runs
+the input-gradient work and, beside it, the cheap weight reductions: a
+reduction (``sum``, ``mean``) of a tensor dI produces or reads, with a small
+result, together with the pointwise ops and views that feed only it (bias
+gradients, LayerNorm/RMSNorm weight gradients). Those carry no counted FLOPs,
+so B's FLOPs still equal those of the input gradients alone, and B does no
+weight-gradient matmul. ``test_b_computes_only_input_gradients_and_cheap_reductions``
+checks the graph: everything dI runs beyond what its input gradients need is
+one of those. With ``defer="all"``, B computes nothing for a weight gradient.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +38,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxsplit
 import zoo
+from fxsplit.passes.roles import is_contraction, is_pointwise, is_reduction, is_view
+from fxsplit.passes.symbols import is_symbolic_scalar
+from stage_check import new_regions
 from zoo import Case, clone_inputs, forward, grad_outputs, make_grads
 
 Counts = collections.Counter
@@ -39,8 +53,8 @@ def flops(fn: Callable[[], Any]) -> Counts:
     return Counts({str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items() if n})
 
 
-def compile_split(module: nn.Module, compiler: str = "eager") -> nn.Module:
-    return torch.compile(module, backend=fxsplit.backend(compiler=compiler, fallback="error"))
+def compile_split(module: nn.Module, compiler: str = "eager", **kw: Any) -> nn.Module:
+    return torch.compile(module, backend=fxsplit.backend(compiler=compiler, fallback="error", **kw))
 
 
 def phase_flops(c: Case, module: nn.Module, cm: nn.Module, inputs: tuple[Any, ...]) -> tuple[Counts, Counts, Counts]:
@@ -66,11 +80,12 @@ SUM_CASES = [
 ]
 
 
+@pytest.mark.parametrize("defer", ["matmuls", "all"])
 @pytest.mark.parametrize("name", SUM_CASES)
-def test_b_plus_w_equals_ordinary_backward(name: str) -> None:
+def test_b_plus_w_equals_ordinary_backward(name: str, defer: str) -> None:
     c = zoo.case(name)
     module, inputs = c.make()
-    cm = compile_split(module)
+    cm = compile_split(module, defer=defer)
     fused, b, w = phase_flops(c, module, cm, inputs)
     assert sum(fused.values()) > 0, "the counter saw nothing; the test would be vacuous"
     assert b + w == fused, f"B={dict(b)} W={dict(w)} ordinary={dict(fused)}"
@@ -81,8 +96,9 @@ def test_b_plus_w_equals_ordinary_backward(name: str) -> None:
 NO_DW_IN_B_CASES = ["linear", "mlp", "layernorm_linear", "attention", "conv_bn", "tied_embedding", "weight_twice"]
 
 
+@pytest.mark.parametrize("defer", ["matmuls", "all"])
 @pytest.mark.parametrize("name", NO_DW_IN_B_CASES)
-def test_b_does_only_input_gradient_work(name: str) -> None:
+def test_b_does_only_input_gradient_work(name: str, defer: str) -> None:
     """B's FLOPs equal eager autograd's for the input gradients alone (every
     weight frozen, so eager autograd does no weight-gradient work at all)."""
     c = zoo.case(name)
@@ -95,9 +111,61 @@ def test_b_does_only_input_gradient_work(name: str) -> None:
     expected = flops(lambda: torch.autograd.grad(outs, wanted, grads))
     assert sum(expected.values()) > 0
 
-    _, b, w = phase_flops(c, module, compile_split(module), inputs)
+    _, b, w = phase_flops(c, module, compile_split(module, defer=defer), inputs)
     assert b == expected, f"B={dict(b)}, input-gradient work only={dict(expected)}"
     assert sum(w.values()) > 0
+
+
+def _beyond_input_gradients(split: Any) -> list[torch.fx.Node]:
+    """Nodes the dI graph runs that its input-gradient outputs do not need."""
+    (ret,) = split.di_graph.graph.output_node().args
+    needed: set[torch.fx.Node] = set()
+    stack = [r for r in ret[: len(split.di_outputs)] if isinstance(r, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    return [n for n in split.di_graph.graph.nodes if n.op == "call_function" and n not in needed]
+
+
+@pytest.mark.parametrize("defer", ["matmuls", "all"])
+@pytest.mark.parametrize("name", NO_DW_IN_B_CASES)
+def test_b_computes_only_input_gradients_and_cheap_reductions(name: str, defer: str) -> None:
+    """What dI runs beyond its input gradients: with ``defer="matmuls"`` only the
+    placement's cheap weight reductions and their pointwise/view feeders (never
+    a contraction), plus ``getitem``s and size scalars that cross; with
+    ``defer="all"`` only the latter."""
+    c = zoo.case(name)
+    module, inputs = c.make()
+    before = fxsplit.compiled_regions()
+    forward(c, compile_split(module, defer=defer), clone_inputs(inputs))
+    splits = [r.split for r in new_regions(before)]
+    assert splits
+    for split in splits:
+        moved = set(split.placement.reductions) | set(split.placement.feeders)
+        for n in _beyond_input_gradients(split):
+            if n.target is operator.getitem or is_symbolic_scalar(n):
+                continue
+            assert n.name in moved, f"dI runs {n.name} ({n.target}) for W, not as a cheap reduction"
+            assert not is_contraction(n)
+            assert is_reduction(n) if n.name in split.placement.reductions else (is_pointwise(n) or is_view(n))
+        if defer == "all":
+            assert not moved
+    if defer == "matmuls" and name in ("linear", "mlp", "layernorm_linear", "attention"):
+        # These have bias (and LayerNorm weight) gradients: the placement must act.
+        assert any(s.placement.reductions for s in splits)
+
+
+def test_first_stage_w_runs_the_split_once() -> None:
+    """A first stage compiled without the fused graph: W runs the chain (dI)
+    then the leaves (dW); together exactly the FLOPs of ordinary backward, B none."""
+    c = zoo.case("first_stage")
+    module, inputs = c.make()
+    cm = compile_split(module, fused_backward=False)
+    fused, b, w = phase_flops(c, module, cm, inputs)
+    assert not b and w == fused and sum(w.values()) > 0
+    assert fxsplit.compiled_regions()[-1].split.mode == "first_stage"
 
 
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])

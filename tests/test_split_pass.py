@@ -7,54 +7,27 @@ then the gradient computation, then one output returning a flat tuple.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-import sympy
 import torch
 import torch.fx as fx
-from torch._dynamo.source import ConstantSource
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, free_symbols
-from torch.testing import assert_close
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fxsplit.passes import SplitError, SplitRuleError, normalized_graph_code, split_backward
+from graph_builder import (
+    GraphBuilder,
+    check_contract,
+    node_names,
+    placeholder_vals,
+    run,
+    symbolic_mode,
+    unbound_symbols,
+)
 
 aten = torch.ops.aten
-
-
-class GraphBuilder:
-    """A thin helper: placeholders carry ``meta["val"]``, nodes get the names we give them.
-
-    With a ``FakeTensorMode`` (and its ``ShapeEnv``), values are fake tensors
-    whose sizes may be symbolic, as in AOTAutograd's dynamic-shape graphs.
-    """
-
-    def __init__(self, mode: FakeTensorMode | None = None) -> None:
-        self.graph = fx.Graph()
-        self.mode = mode
-
-    def input(self, name: str, val: Any) -> fx.Node:
-        node = self.graph.placeholder(name)
-        node.meta["val"] = val
-        return node
-
-    def op(self, name: str, target: Any, *args: Any) -> fx.Node:
-        node = self.graph.create_node("call_function", target, args, {}, name=name)
-        vals = fx.map_arg(args, lambda a: a.meta["val"])
-        if self.mode is not None:
-            with self.mode:
-                node.meta["val"] = target(*vals)
-        elif not any(isinstance(v, torch.SymInt) for v in vals):
-            node.meta["val"] = target(*vals)  # as AOTAutograd's fake-tensor metadata would be
-        return node
-
-    def done(self, *outs: Any) -> fx.GraphModule:
-        self.graph.output(tuple(outs))
-        return fx.GraphModule(torch.nn.Module(), self.graph)
 
 
 def mlp_backward() -> fx.GraphModule:
@@ -74,37 +47,6 @@ def mlp_backward() -> fx.GraphModule:
     dpre_t = b.op("dpre_t", aten.t.default, dpre)
     dw1 = b.op("dw1", aten.mm.default, dpre_t, x)
     return b.done(dx, dw1, dw2)
-
-
-def run(gm: fx.GraphModule, args: list[Any]) -> tuple[Any, ...]:
-    return tuple(gm(*args))
-
-
-def placeholder_vals(gm: fx.GraphModule) -> list[Any]:
-    return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def node_names(gm: fx.GraphModule) -> set[str]:
-    return {n.name for n in gm.graph.nodes if n.op == "call_function"}
-
-
-def check_contract(bw: fx.GraphModule, weight_outputs: list[int], args: list[Any]) -> None:
-    """dI and dW together return exactly what ``bw`` returns (the SplitResult contract)."""
-    split = split_backward(bw, weight_outputs)
-    expected = run(bw, args)
-    di = run(split.di_graph, list(args))
-    n = len(split.di_outputs)
-    dw = run(split.dw_graph, list(di[n:]))
-    assert len(di) == n + split.num_live_ins
-    got: list[Any] = [None] * split.num_outputs
-    for i, v in zip(split.di_outputs, di[:n]):
-        got[i] = v
-    for i, v in zip(split.dw_outputs, dw):
-        got[i] = v
-    for i, (e, g) in enumerate(zip(expected, got)):
-        assert (e is None) == (g is None), f"output {i}"
-        if e is not None:
-            assert_close(g, e)
 
 
 def test_live_ins_are_exactly_what_dw_needs() -> None:
@@ -250,32 +192,6 @@ def test_constant_output_raises() -> None:
 
 
 # ---- symbolic sizes ---------------------------------------------------------------
-
-
-def symbolic_mode() -> tuple[FakeTensorMode, Callable[[str, int], torch.SymInt]]:
-    """A fake mode with a shape environment, and a maker of its size symbols."""
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env)
-
-    def size(name: str, hint: int) -> torch.SymInt:
-        sym = shape_env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
-        return shape_env.create_symintnode(sym, hint=hint)
-
-    return mode, size
-
-
-def unbound_symbols(gm: fx.GraphModule) -> set[sympy.Symbol]:
-    """Size symbols a graph's placeholders or nodes mention that no SymInt
-    placeholder binds (holds exactly that symbol): what Inductor cannot compile."""
-    bound, mentioned = set(), set()
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if val is None or n.op == "output":
-            continue
-        if n.op == "placeholder" and isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
-            bound.add(val.node.expr)
-        mentioned |= set(free_symbols(val))
-    return mentioned - bound
 
 
 def flattened_linear_backward() -> tuple[fx.GraphModule, list[Any], tuple[torch.SymInt, torch.SymInt]]:
