@@ -9,11 +9,7 @@ FLOPs(B) + FLOPs(W) == FLOPs(ordinary backward), no weight-gradient matmul in
 B. All with ``fallback="error"``: a region that could not be compiled or split
 fails the test instead of running eagerly. ``compiler="eager"`` for every
 case (the graphs Inductor would compile, run op by op); a real-Inductor run
-of the Llama and MoE blocks (marked ``inductor``).
-
-Cases that fail on today's code for a cause issue 8 names are marked
-``xfail(strict=True)`` with that cause, so they flip loudly once fixed.
-"""
+of the Llama and MoE blocks (marked ``inductor``)."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from real_stage_check import WeightWorkInB, check_stage
-from torch._dynamo.exc import BackendCompilerFailed
+from real_stage_check import check_stage
 
 import fxsplit
 import zoo
@@ -32,27 +27,8 @@ from zoo import StageCase
 
 # ---------------------------------------------------------------- tests
 
-_WEIGHT_WORK_IN_B = (
-    "issue 8: fxsplit_test::expert_mm_backward returns (grad_input, grad_weight) in one tuple and has no split "
-    "rule, so the node runs whole in dI and B does the expert weight-gradient matmuls"
-)
-
-# Cases that fail today, with the cause (see the module docstring).
-XFAIL: dict[tuple[str, str], tuple[str, type[BaseException]]] = {
-    **{(name, "eager"): (_WEIGHT_WORK_IN_B, WeightWorkInB) for name in zoo.STAGE_CASES if name.startswith("moe_custom_op-")},
-    ("moe_custom_op-middle-fp32", "inductor"): (
-        "issue 8: the tuple returned by fxsplit_test::expert_mm_backward becomes a live-in, so dI returns a "
-        "tuple and Inductor rejects the dI graph (AssertionError: [TensorBox(...)",
-        BackendCompilerFailed,
-    ),
-}
-
-
 def _param(name: str, compiler: str) -> Any:
     marks = [pytest.mark.inductor] if compiler == "inductor" else []
-    if (name, compiler) in XFAIL:
-        reason, raises = XFAIL[(name, compiler)]
-        marks.append(pytest.mark.xfail(reason=reason, raises=raises, strict=True))
     return pytest.param(zoo.STAGE_CASES[name], compiler, id=f"{name}-{compiler}", marks=marks)
 
 
@@ -77,13 +53,6 @@ def test_stage_at_three_sequence_lengths(c: StageCase, compiler: str) -> None:
         check_stage(c, compiler)
 
 
-@pytest.mark.xfail(
-    reason="issue 8: with dynamic=True LayerNorm's float eps is traced as a symbolic float; Dynamo raises "
-    "TensorifyScalarRestartAnalysis to re-trace it as a constant and fxsplit's backend turns that signal into a "
-    "compile failure",
-    raises=BackendCompilerFailed,
-    strict=True,
-)
 def test_gpt2_stage_compiled_with_dynamic_true() -> None:
     """``torch.compile(dynamic=True)``: one dynamic compile serves all three lengths."""
     check_stage(zoo.STAGE_CASES["gpt2-middle-fp32"], "eager", dynamic="always")
