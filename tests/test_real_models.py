@@ -1,18 +1,17 @@
 """Transformer-style stages at changing sequence lengths (issue 8, item 4).
 
 Every stage of ``zoo.STAGE_CASES`` (Llama-, GPT-2- and MoE-style blocks, as a
-middle and a last stage, float32 and bfloat16 autocast) is compiled once with
-fxsplit and run at three sequence lengths in a row (automatic dynamic shapes
-recompile at the second), and checked by :func:`real_stage_check.check_stage`:
-gradients of B then W and of ordinary backward against eager autograd,
-FLOPs(B) + FLOPs(W) == FLOPs(ordinary backward), no weight-gradient matmul in
-B. All with ``fallback="error"``: a region that could not be compiled or split
-fails the test instead of running eagerly. ``compiler="eager"`` for every
-case (the graphs Inductor would compile, run op by op); a real-Inductor run
-of the Llama and MoE blocks (marked ``inductor``).
-
-Cases that fail on today's code for a cause issue 8 names are marked
-``xfail(strict=True)`` with that cause, so they flip loudly once fixed.
+middle and a last stage, float32 and bfloat16 autocast) is compiled with
+fxsplit and run at three sequence lengths in a row, and checked by
+:func:`real_stage_check.check_stage`: gradients of B then W and of ordinary
+backward against eager autograd, FLOPs(B) + FLOPs(W) == FLOPs(ordinary
+backward), no weight-gradient matmul in B. All with ``fallback="error"``: a
+region that could not be compiled or split fails the test instead of
+running eagerly. ``compiler="eager"`` for every case (the graphs Inductor
+would compile, run op by op), and each block once as a middle stage with the
+real Inductor (marked ``inductor``). How the changing length is compiled
+(automatic dynamic shapes, ``mark_dynamic``, ``dynamic=True``) is part of
+each test's id.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from real_stage_check import WeightWorkInB, check_stage
-from torch._dynamo.exc import BackendCompilerFailed
+from real_stage_check import check_stage
 
 import fxsplit
 import zoo
@@ -32,61 +30,51 @@ from zoo import StageCase
 
 # ---------------------------------------------------------------- tests
 
-_WEIGHT_WORK_IN_B = (
-    "issue 8: fxsplit_test::expert_mm_backward returns (grad_input, grad_weight) in one tuple and has no split "
-    "rule, so the node runs whole in dI and B does the expert weight-gradient matmuls"
-)
-
-# Cases that fail today, with the cause (see the module docstring).
-XFAIL: dict[tuple[str, str], tuple[str, type[BaseException]]] = {
-    **{(name, "eager"): (_WEIGHT_WORK_IN_B, WeightWorkInB) for name in zoo.STAGE_CASES if name.startswith("moe_custom_op-")},
-    ("moe_custom_op-middle-fp32", "inductor"): (
-        "issue 8: the tuple returned by fxsplit_test::expert_mm_backward becomes a live-in, so dI returns a "
-        "tuple and Inductor rejects the dI graph (AssertionError: [TensorBox(...)",
-        BackendCompilerFailed,
-    ),
-}
+# How each case gets its changing sequence length compiled (see
+# real_stage_check.check_stage). With the eager compiler, every float32 case
+# takes the path most training runs meet, automatic dynamic shapes (a static
+# compile, then one dynamic recompile at the second length); the bfloat16
+# cases mark the sequence dimension dynamic from the start (one compile, so
+# half the tracing time). Two exceptions: the grouped_mm MoE middle stage has
+# no float32 twin, so it takes automatic dynamic shapes; the GPT-2 middle
+# stage uses torch.compile(dynamic=True), where its LayerNorm's float eps
+# makes Dynamo raise its restart signal (TensorifyScalarRestartAnalysis),
+# which the backend must let through.
+DYNAMIC_EXCEPTIONS = {"moe_grouped_mm-middle-bf16": "automatic", "gpt2-middle-bf16": "always"}
 
 
-def _param(name: str, compiler: str) -> Any:
-    marks = [pytest.mark.inductor] if compiler == "inductor" else []
-    if (name, compiler) in XFAIL:
-        reason, raises = XFAIL[(name, compiler)]
-        marks.append(pytest.mark.xfail(reason=reason, raises=raises, strict=True))
-    return pytest.param(zoo.STAGE_CASES[name], compiler, id=f"{name}-{compiler}", marks=marks)
+def _dynamic(c: StageCase) -> str:
+    return DYNAMIC_EXCEPTIONS.get(c.name, "mark" if c.autocast else "automatic")
 
 
 # Real-Inductor runs: the compiled C++ code, the dW graph's symbolic sizes and
-# Inductor's layouts only show there. The Llama and both MoE blocks (the
-# GPT-2-style block, the benchmark's default, already runs under Inductor in
-# tests/test_pipelining.py). To keep the C++ compiles few (they dominate these
-# tests' time), the sequence dimension is marked dynamic from the first length
-# (one compile serves all three; the eager cases cover the static-then-dynamic
-# recompile), and without the fused backward (Inductor's own compile of the
+# Inductor's layouts only show there. Each block once, as a middle stage. To
+# keep the C++ compiles few (they dominate these tests' time), one compile
+# serves all three lengths: the sequence dimension is marked dynamic from the
+# first length, or for GPT-2 torch.compile(dynamic=True) (the restart signal
+# again); and without the fused backward (Inductor's own compile of the
 # unsplit graph; ordinary backward then runs dI and dW).
-INDUCTOR_CASES = ["llama-middle-fp32", "moe_grouped_mm-middle-bf16", "moe_custom_op-middle-fp32"]
+INDUCTOR_CASES = {
+    "llama-middle-fp32": "mark",
+    "gpt2-middle-fp32": "always",
+    "moe_grouped_mm-middle-bf16": "mark",
+    "moe_custom_op-middle-fp32": "mark",
+}
 
-PARAMS = [_param(name, "eager") for name in zoo.STAGE_CASES] + [_param(name, "inductor") for name in INDUCTOR_CASES]
+PARAMS = [
+    pytest.param(c, "eager", _dynamic(c), id=f"{name}-eager-{_dynamic(c)}") for name, c in zoo.STAGE_CASES.items()
+] + [
+    pytest.param(zoo.STAGE_CASES[name], "inductor", dynamic, id=f"{name}-inductor-{dynamic}", marks=pytest.mark.inductor)
+    for name, dynamic in INDUCTOR_CASES.items()
+]
 
 
-@pytest.mark.parametrize("c,compiler", PARAMS)
-def test_stage_at_three_sequence_lengths(c: StageCase, compiler: str) -> None:
+@pytest.mark.parametrize("c,compiler,dynamic", PARAMS)
+def test_stage_at_three_sequence_lengths(c: StageCase, compiler: str, dynamic: str) -> None:
     if compiler == "inductor":
-        check_stage(c, compiler, dynamic="mark", fused_backward=False)
+        check_stage(c, compiler, dynamic=dynamic, fused_backward=False)
     else:
-        check_stage(c, compiler)
-
-
-@pytest.mark.xfail(
-    reason="issue 8: with dynamic=True LayerNorm's float eps is traced as a symbolic float; Dynamo raises "
-    "TensorifyScalarRestartAnalysis to re-trace it as a constant and fxsplit's backend turns that signal into a "
-    "compile failure",
-    raises=BackendCompilerFailed,
-    strict=True,
-)
-def test_gpt2_stage_compiled_with_dynamic_true() -> None:
-    """``torch.compile(dynamic=True)``: one dynamic compile serves all three lengths."""
-    check_stage(zoo.STAGE_CASES["gpt2-middle-fp32"], "eager", dynamic="always")
+        check_stage(c, compiler, dynamic=dynamic)
 
 
 @pytest.mark.parametrize("name", ["llama", "moe"])

@@ -22,9 +22,12 @@ Transformer-style stages (issue 8) are in :data:`STAGE_CASES`, kept apart
 from :data:`CASES` because they run at several sequence lengths: a Llama-,
 a GPT-2- and two MoE-style blocks (experts through ``F.grouped_mm`` or
 through the custom op ``fxsplit_test::expert_mm``, whose backward is a second
-custom op returning ``(grad_input, grad_weight)`` in one tuple), each as a
-middle and a last stage, in float32 and under bfloat16 autocast.
-:data:`FLOP_FORMULAS` counts the ops ``FlopCounterMode`` does not know.
+custom op returning ``(grad_input, grad_weight)`` in one tuple, split by the
+rule :func:`expert_mm_backward_rule` registered on import), each as a middle
+and a last stage, in float32 and under bfloat16 autocast.
+:data:`FLOP_FORMULAS` counts the ops ``FlopCounterMode`` does not know,
+:data:`WEIGHT_SHARE` says how much of each custom matmul is weight-gradient
+work and :data:`RULE_HALVES` which op each half of a split rule comes from.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -40,11 +44,14 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+import fxsplit
 from fxsplit.bench.models import Block, LlamaBlock, MoEFeedForward, RMSNorm, grouped_mm_experts
 
 __all__ = [
-    "CASES", "CUSTOM_MATMULS", "Case", "FLOP_FORMULAS", "STAGE_CASES", "StageCase", "case", "clone_inputs", "expert_mm",
-    "expert_mm_backward", "expert_mm_backward_flops", "expert_mm_flops", "forward", "grad_outputs", "make_grads",
+    "CASES", "Case", "FLOP_FORMULAS", "RULE_HALVES", "STAGE_CASES", "StageCase", "WEIGHT_SHARE", "case",
+    "clone_inputs", "expert_mm", "expert_mm_backward", "expert_mm_backward_flops", "expert_mm_backward_rule",
+    "expert_mm_flops", "expert_mm_input_grad", "expert_mm_input_grad_flops", "expert_mm_weight_grad",
+    "expert_mm_weight_grad_flops", "forward", "grad_outputs", "make_grads",
 ]
 
 
@@ -301,6 +308,58 @@ def _custom_op_experts(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Ten
     return torch.ops.fxsplit_test.expert_mm(rows, weight, offs)
 
 
+# The split rule, declared as a model author would next to the op: two more
+# custom ops, each computing one of the two gradients exactly as
+# expert_mm_backward does (same matmul per expert, same zero fill), so the
+# split gradients equal the unsplit ones bit for bit. With it, dI runs only
+# the input-gradient half and dW only the weight-gradient half.
+
+
+@torch.library.custom_op("fxsplit_test::expert_mm_input_grad", mutates_args=())
+def expert_mm_input_grad(weight: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """``grad_rows`` of :func:`expert_mm_backward` alone (rows past the last offset get zeros)."""
+    grad_rows = grad_out.new_zeros(grad_out.shape[0], weight.shape[1])
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        grad_rows[start:end] = grad_out[start:end] @ weight[i].T
+        start = end
+    return grad_rows
+
+
+@expert_mm_input_grad.register_fake
+def _expert_mm_input_grad_fake(weight: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    return grad_out.new_empty(grad_out.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("fxsplit_test::expert_mm_weight_grad", mutates_args=())
+def expert_mm_weight_grad(rows: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """``grad_weight`` of :func:`expert_mm_backward` alone (experts without rows get zeros)."""
+    grad_weight = rows.new_zeros(offs.shape[0], rows.shape[1], grad_out.shape[1])
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        grad_weight[i] = rows[start:end].T @ grad_out[start:end]
+        start = end
+    return grad_weight
+
+
+@expert_mm_weight_grad.register_fake
+def _expert_mm_weight_grad_fake(rows: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(offs.shape[0], rows.shape[1], grad_out.shape[1])
+
+
+def expert_mm_backward_rule(
+    outputs: frozenset[int], rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fxsplit's split rule for :func:`expert_mm_backward`: output 0 (``grad_rows``)
+    and output 1 (``grad_weight``), each only when asked for."""
+    grad_rows = torch.ops.fxsplit_test.expert_mm_input_grad(weight, offs, grad_out) if 0 in outputs else None
+    grad_weight = torch.ops.fxsplit_test.expert_mm_weight_grad(rows, offs, grad_out) if 1 in outputs else None
+    return grad_rows, grad_weight
+
+
+fxsplit.register_split_rule(torch.ops.fxsplit_test.expert_mm_backward, expert_mm_backward_rule)
+
+
 # FLOP formulas (FlopCounterMode ``custom_mapping``) for the ops its registry
 # lacks: shapes in, FLOPs out; a multiply-add counts 2, as torch's formulas do.
 
@@ -311,6 +370,14 @@ def expert_mm_flops(rows: Any, weight: Any, offs: Any, *, out_shape: Any = None)
 
 def expert_mm_backward_flops(rows: Any, weight: Any, offs: Any, grad_out: Any, *, out_shape: Any = None) -> int:
     return 2 * (2 * rows[0] * rows[1] * weight[2])  # grad_rows and grad_weight, one matmul each
+
+
+def expert_mm_input_grad_flops(weight: Any, offs: Any, grad_out: Any, *, out_shape: Any = None) -> int:
+    return 2 * grad_out[0] * grad_out[1] * weight[1]
+
+
+def expert_mm_weight_grad_flops(rows: Any, offs: Any, grad_out: Any, *, out_shape: Any = None) -> int:
+    return 2 * rows[0] * rows[1] * grad_out[1]
 
 
 def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
@@ -336,16 +403,29 @@ def _cpu_sdpa_backward_flops(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     torch.ops.fxsplit_test.expert_mm: expert_mm_flops,
     torch.ops.fxsplit_test.expert_mm_backward: expert_mm_backward_flops,
+    torch.ops.fxsplit_test.expert_mm_input_grad: expert_mm_input_grad_flops,
+    torch.ops.fxsplit_test.expert_mm_weight_grad: expert_mm_weight_grad_flops,
     torch.ops.aten._grouped_mm: _grouped_mm_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
 }
 
-# The custom matmul ops, each mapped to whether one call computes an input
-# and a weight gradient together (then half its FLOPs are weight-gradient work).
-CUSTOM_MATMULS: dict[Any, bool] = {
-    torch.ops.fxsplit_test.expert_mm: False,
-    torch.ops.fxsplit_test.expert_mm_backward: True,
+# The custom matmul ops, each mapped to the share of its FLOPs that is
+# weight-gradient work: none for the forward and the input-gradient half, half
+# for the backward computing both gradients in one call, all for the
+# weight-gradient half.
+WEIGHT_SHARE: dict[Any, Fraction] = {
+    torch.ops.fxsplit_test.expert_mm: Fraction(0),
+    torch.ops.fxsplit_test.expert_mm_backward: Fraction(1, 2),
+    torch.ops.fxsplit_test.expert_mm_input_grad: Fraction(0),
+    torch.ops.fxsplit_test.expert_mm_weight_grad: Fraction(1),
+}
+
+# Each op a split rule computes, mapped to the op it splits: ordinary backward
+# (the fused graph) runs the whole op, B and W its halves.
+RULE_HALVES: dict[Any, Any] = {
+    torch.ops.fxsplit_test.expert_mm_input_grad: torch.ops.fxsplit_test.expert_mm_backward,
+    torch.ops.fxsplit_test.expert_mm_weight_grad: torch.ops.fxsplit_test.expert_mm_backward,
 }
 
 
