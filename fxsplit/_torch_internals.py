@@ -337,3 +337,87 @@ def is_fsdp_replicate_module(module: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - older torch
         return False
     return isinstance(module, ReplicateModule)
+
+
+# -- saved tensors of autograd nodes (used by fxsplit.api / fxsplit.runtime) ----------------------
+# Attribute names under which each node type exposes its SavedTensor objects
+# (``_raw_saved_self``, ``_raw_saved_mat1``, ... for C++ nodes,
+# ``_raw_saved_tensors`` for custom Functions and AOTAutograd's ctx), per type.
+_RAW_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _raw_saved_names(node: Any) -> tuple[str, ...]:
+    names = _RAW_SAVED_NAMES.get(type(node))
+    if names is None:
+        names = tuple(a for a in dir(type(node)) if a.startswith("_raw_saved_"))
+        _RAW_SAVED_NAMES[type(node)] = names
+    return names
+
+
+def _drop_saved(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _saved_was_freed(_packed: Any) -> torch.Tensor:
+    raise RuntimeError(
+        "Trying to backward through the graph a second time (or directly access saved tensors after they "
+        "have already been freed). fxsplit.stage_backward_input ran this node's backward and freed the "
+        "tensors it saved, as an ordinary backward without retain_graph=True does; W does not need them."
+    )
+
+
+def release_saved_tensors(node: Any) -> int:
+    """Free the tensors ``node`` saved for its backward, now, although the
+    graph is retained; returns how many were released.
+
+    The autograd engine frees a node's saved tensors after running it only
+    when the whole call has ``retain_graph=False``; AOTAutograd's
+    ``ctx.maybe_clear_saved_tensors()`` likewise does nothing under a graph
+    task that keeps the graph (``torch._C._autograd._get_current_graph_task_keep_graph``).
+    B retains the graph when W re-runs eager nodes, so the nodes W does not
+    run are released one by one here: registering a pair of saved-tensor
+    hooks on a saved tensor calls the pack hook at once and drops the
+    tensor the node held (the documented per-tensor form of
+    ``saved_tensors_hooks``, "Hooks for saved tensors" in the autograd
+    mechanics notes: ``grad_fn._raw_saved_<name>.register_hooks(pack, unpack)``;
+    ``ctx._raw_saved_tensors`` for custom Functions and AOTAutograd's
+    compiled regions). The pack hook keeps nothing, and the unpack hook
+    raises the engine's "backward through the graph a second time" error,
+    so a later backward through the node fails as it would after ordinary
+    backward. Saved tensors that are ``None``, already freed, or already
+    carry hooks (``saved_tensors_hooks`` in the forward, e.g. non-reentrant
+    checkpointing, whose saved objects are small holders) are left as they are.
+    """
+    released = 0
+    for name in _raw_saved_names(node):
+        try:
+            saved = getattr(node, name)
+        except RuntimeError:  # the node's buffers were freed already
+            continue
+        for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if item is None:
+                continue
+            try:
+                item.register_hooks(_drop_saved, _saved_was_freed)
+            except RuntimeError:
+                continue  # None, already freed, or hooks already set: nothing we may release
+            released += 1
+    return released
+
+
+def saved_tensors_of(node: Any) -> list[torch.Tensor]:
+    """The tensors ``node`` holds for its backward (unpacked: a tensor saved
+    with ``saved_tensors_hooks`` runs its unpack hook). Tensors already freed
+    are skipped. Relies on the ``_saved_<name>`` attributes of C++ nodes and
+    ``saved_tensors`` of custom Functions (``_raw_saved_<name>`` minus ``raw``)."""
+    found: list[torch.Tensor] = []
+    for name in _raw_saved_names(node):
+        plain = "saved_tensors" if name == "_raw_saved_tensors" else "_saved_" + name[len("_raw_saved_"):]
+        try:
+            value = getattr(node, plain)
+        except RuntimeError:
+            continue
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+    return found

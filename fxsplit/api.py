@@ -250,7 +250,8 @@ def stage_backward_input(
 
     # The compiled regions this call runs (exactly the split regions in the B
     # set) run their dI graph only, and only while this call runs.
-    call = InputCall(id(w) for w in weights)
+    retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
+    call = InputCall((id(w) for w in weights), release_saved=retain, keep=plan.rerun)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     try:
         if grad_inputs and outs:
@@ -259,11 +260,15 @@ def stage_backward_input(
                     outs,
                     [v for _, v in grad_inputs],
                     grad_outputs=grads,
-                    retain_graph=bool(plan.intermediates),
+                    retain_graph=retain,
                     allow_unused=True,
                 )
             for (k, _), g in zip(grad_inputs, results):
                 dinputs[k] = g
+            # The graph is retained for the nodes W re-runs; free what the
+            # nodes below the intermediates that only B needed saved.
+            for node in plan.release:
+                ti.release_saved_tensors(node)
     except NotImplementedError:
         raise
     except Exception as e:

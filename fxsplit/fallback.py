@@ -15,6 +15,12 @@ Terms used below, for one stage:
 * *W roots*: stage-output nodes already on the W side (e.g. every output of a
   first stage, whose inputs need no gradient). W starts there with the
   output gradients.
+* *re-run nodes*: the B-set nodes W's autograd calls execute again: the
+  intermediates and the B-set nodes below them on a path to an eager weight
+  (e.g. a compiled region whose parameter is also used by eager code).
+  Their saved tensors must survive B; every other B-set node below an
+  intermediate is *released* when B ends (B retains the graph for the
+  re-run nodes only).
 
 fxsplit-compiled regions in the B set run their dI graph in B and record
 their own dW work, so the edges from such a region to its parameters are
@@ -109,6 +115,11 @@ class EagerWeightPlan:
     ``split_regions``: every split region in the B set (B's autograd call runs
     their dI graph; W's calls must not run them again).
     ``w_side``: the W-side nodes (only needed while B runs: do not keep it).
+    ``rerun``: B-set nodes W's calls execute again (their saved tensors stay).
+    ``release``: eager B-set nodes below an intermediate that W does not run:
+    B retains the graph, so their saved tensors are freed when B ends. Split
+    regions are not listed: each frees its own when its dI graph has run,
+    unless it is in ``rerun``.
     """
 
     intermediates: list[Node]
@@ -118,6 +129,8 @@ class EagerWeightPlan:
     region_starts: list[Node] = dataclasses.field(default_factory=list)
     split_regions: list[Node] = dataclasses.field(default_factory=list)
     w_side: set[Node] = dataclasses.field(default_factory=set)
+    rerun: set[Node] = dataclasses.field(default_factory=set)
+    release: list[Node] = dataclasses.field(default_factory=list)
 
     @property
     def eager_weights(self) -> list[torch.Tensor]:
@@ -155,6 +168,32 @@ def _group_weights(
         )
         for i, r, ws in groups
     ]
+
+
+def _rerun_and_release(
+    intermediates: Sequence[Node], b_set: set[Node], weight_nodes: Iterable[Node], parents: dict[Node, list[Node]]
+) -> tuple[set[Node], list[Node]]:
+    """The B-set nodes W re-runs, and those below the intermediates it does not.
+
+    W's calls start at the intermediates and execute every node on a path
+    from there to one of their weights; a node reaching no eager weight is
+    never run again. (All groups are taken together: a superset of what
+    each call runs, so nothing W needs is released.) Nodes above the
+    intermediates are not listed: nothing holds them after B.
+    """
+    reaches_weight = _upward_closure(weight_nodes, parents)
+    below: dict[Node, None] = {}
+    queue = collections.deque(intermediates)
+    while queue:
+        node = queue.popleft()
+        if node in below:
+            continue
+        below[node] = None
+        for child, _ in node.next_functions:
+            if child is not None and child in b_set and child not in below:
+                queue.append(child)
+    rerun = set(intermediates) | {n for n in below if n in reaches_weight}
+    return rerun, [n for n in below if n not in rerun and not is_split_region(n)]
 
 
 def _weight_nodes(
@@ -250,6 +289,11 @@ def plan_eager_weight_work(
     regions = [n for n in intermediates if is_split_region(n)]
     index_of = {n: k for k, n in enumerate(eager)}
     region_index_of = {n: k for k, n in enumerate(regions)}
+    rerun: set[Node] = set()
+    release: list[Node] = []
+    if eager:  # B retains the graph only for these
+        eager_weights = [node_of[id(w)] for w, _, _ in starts]
+        rerun, release = _rerun_and_release(eager, b_set, eager_weights, parents)
     return EagerWeightPlan(
         eager,
         list(w_roots),
@@ -258,4 +302,6 @@ def plan_eager_weight_work(
         region_starts=regions,
         split_regions=[n for n in b_set if is_split_region(n)],
         w_side=w_side,
+        rerun=rerun,
+        release=release,
     )

@@ -210,6 +210,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         groups: list[EagerGroup],
         split_regions: Sequence[Any] = (),
         unreached: int = 0,
+        rerun: Sequence[Node] = (),
     ) -> None:
         self._weights = tuple(weights)
         self.compiled = compiled
@@ -218,6 +219,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # not run them again. Weak: W only needs the ones its graph still holds.
         self._split_regions = [weakref.ref(n) for n in split_regions] if groups else []
         self.unreached = unreached
+        # B-set nodes W's eager calls run again: their saved tensors are held
+        # for W (every other node B ran has freed its own).
+        self._rerun = list(rerun)
         self._committed: set[int] = set()
         self._lock = threading.Lock()
         self.done = False
@@ -257,7 +261,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     edge_kinds=kinds,
                 )
             )
-        return cls(weights, records, groups, plan.split_regions, plan.unreached)
+        return cls(weights, records, groups, plan.split_regions, plan.unreached, list(plan.rerun))
 
     # -- upstream-style view ---------------------------------------------------
     def _views(self) -> list[ParamGroup]:
@@ -306,6 +310,32 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     def live_in_bytes(self) -> int:
         """Bytes held for W: compiled live-ins plus saved eager gradients and hand-over values."""
         return _nbytes(self._held_tensors())
+
+    @property
+    def eager_saved_bytes(self) -> int:
+        """Bytes of the activations saved by the autograd nodes W re-runs (eager
+        intermediates, and compiled regions W's eager calls pass through), by
+        storage: counted once each, leaving out the weights' storages and those
+        of :attr:`live_in_bytes`. Unpacks them (a tensor saved under
+        ``saved_tensors_hooks`` runs its unpack hook): for inspection, not for
+        the hot path."""
+        skip = {t.untyped_storage().data_ptr() for t in self._held_tensors()}
+        skip.update(w.untyped_storage().data_ptr() for w in self._weights)
+        total = 0
+        for node in self._rerun:
+            for t in ti.saved_tensors_of(node):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in skip:
+                    skip.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    @property
+    def held_bytes(self) -> int:
+        """Everything this microbatch keeps alive from B to W: :attr:`live_in_bytes`
+        plus :attr:`eager_saved_bytes`. Every other tensor the backward needed
+        is freed when B returns (compiled regions' saved activations included)."""
+        return self.live_in_bytes + self.eager_saved_bytes
 
     def summary(self) -> str:
         """Which path each part of this stage's W takes, on one line (for logs)."""
@@ -438,4 +468,5 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self.compiled = []
         self.groups = []
         self._split_regions = []
+        self._rerun = []
         self._committed = set()

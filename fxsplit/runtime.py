@@ -71,14 +71,21 @@ class InputCall:
     ``weight_ids`` are the ``id``s of the weights given to B; a region keeps
     dW gradients for those only. ``records`` and ``deferred`` fill up while
     the call runs (appends are atomic, so several engine threads may add).
+
+    ``release_saved``: the call retains the graph (eager code needs W to
+    re-run nodes), so a region frees the activations it saved itself, once
+    its dI graph has run, unless its node is in ``keep`` (W's eager calls
+    pass through it). Without a retained graph the engine frees them.
     """
 
-    __slots__ = ("weight_ids", "records", "deferred")
+    __slots__ = ("weight_ids", "records", "deferred", "release_saved", "keep")
 
-    def __init__(self, weight_ids: Iterable[int]) -> None:
+    def __init__(self, weight_ids: Iterable[int], release_saved: bool = False, keep: Iterable[Any] = ()) -> None:
         self.weight_ids = frozenset(weight_ids)
         self.records: list[CompiledWeightWork] = []
         self.deferred: list[DeferredGrad] = []
+        self.release_saved = release_saved
+        self.keep = frozenset(keep)
 
 
 class _SplitDone:
@@ -265,6 +272,10 @@ class CompiledSplitBackward:
         edges = self._edges_by_output(node.next_functions)
         di_vals, live = self._di_and_live(args)
         args.clear()
+        if call.release_saved and node not in call.keep:
+            # Only B needed them (W runs the dW graph on the live-ins), but the
+            # retained graph would keep them until W: free them now.
+            ti.release_saved_tensors(node)
         params, accumulators = self._params_of(edges, self.split.dw_outputs, call.weight_ids)
         call.records.append(CompiledWeightWork(self, live, params, accumulators))
         # Input gradients this B call does not use may be needed by W's eager
