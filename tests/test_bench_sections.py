@@ -100,3 +100,15 @@ def test_memory_targets_verdicts() -> None:
     assert t["first_stage_w_flops"]["pass"] is True and t["alive_between_b_and_w"]["pass"] is True
     for name, v in t.items():
         assert bench._verdict_line(name, v).startswith(f"target {v['verdict']}:")
+
+
+def test_region_compile_seconds_are_summed_per_kind_or_none() -> None:
+    from types import SimpleNamespace
+
+    from fxsplit.bench.compile_time import _region_seconds
+
+    regions = [SimpleNamespace(compile_seconds={"fused": 1.0, "dI": None}),
+               SimpleNamespace(compile_seconds={"fused": 0.5, "dI": 2.0, "dW": 3.0}), SimpleNamespace()]
+    assert _region_seconds(regions) == {"fused": 1.5, "dI": 2.0, "dW": 3.0}
+    assert _region_seconds([SimpleNamespace(), SimpleNamespace(stats={})]) is None
+    assert _region_seconds([]) is None

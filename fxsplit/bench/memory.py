@@ -226,6 +226,13 @@ def _split_figures(pending: Any) -> dict[str, int | None]:
     return {"live_in_bytes": live, "all_crossing_bytes": crossing}
 
 
+def _reset_dynamo() -> None:
+    """``torch._dynamo.reset()`` before each compile of this section: every layout and variant
+    compiles copies of the same ``forward``, one cache entry per backend, and past Dynamo's
+    ``recompile_limit`` (8) a frame would silently run eagerly."""
+    torch._dynamo.reset()
+
+
 def _alive(fn: Callable[[], None], device: torch.device) -> int:
     gc.collect()
     meter = MemoryMeter(device)
@@ -274,9 +281,15 @@ def _measure_one(layout: str, variant: str, make: Callable[[Any], tuple[nn.Modul
         del out
         split.w(held, params)
 
+    before = fxsplit.compiled_regions()  # held, so that no new region can reuse an old one's id
     with split.context():
         for _ in range(1 if quick else 2):  # compile, then warm up
             step(make_input())
+        old = {id(r) for r in before}
+        if variant != "upstream" and all(id(r) in old for r in fxsplit.compiled_regions()):
+            raise RuntimeError(f"fxsplit bench: the {layout} stage ({variant}) compiled no fxsplit region: "
+                               "its figures would be eager ones")
+        del before, old
         x = make_input()
         box: list[Any] = []
 
@@ -336,28 +349,36 @@ def measure_memory_layouts(base: nn.Module, make_hidden: Callable[[], torch.Tens
     """Every layout x variant of the module docstring; returns the JSON section ``memory``.
 
     ``base`` is the body (a middle stage taking ``make_hidden()``); it is
-    copied, never changed. ``quick`` compiles with eager compilers
+    copied, never changed. Resets Dynamo before each compile (modules compiled
+    earlier recompile on their next call). ``quick`` compiles with eager compilers
     (``compiler="eager"``, ``aot_eager``): the same graphs and splits without
     code generation, a smoke test of the section.
     """
     sample = make_hidden()
     tokens = sample.shape[:-1].numel()
     rows = []
-    built: dict[tuple[str, str], Any] = {}
     grid = QUICK_GRID if quick else tuple((layout, variant) for layout in LAYOUTS for variant in VARIANTS)
+    flops: dict[str, dict[str, int]] = {}
     for layout, variant in grid:
         say(f"memory: {layout} stage, {variant}")
-        def make(backend: Any, layout: str = layout, variant: str = variant) -> Any:
-            built[layout, variant] = _build_layout(layout, copy.deepcopy(base), make_hidden, dim, vocab, backend)
-            return built[layout, variant]
+        _reset_dynamo()
+        made: list[Any] = []
+
+        def make(backend: Any, layout: str = layout) -> Any:
+            made.append(_build_layout(layout, copy.deepcopy(base), make_hidden, dim, vocab, backend))
+            return made[0]
 
         rows.append(_measure_one(layout, variant, make, device, quick, tokens))
-    say("memory: FLOPs of B and W on the first and middle stages (compiler='eager' twins)")
-    twin = fxsplit.backend(compiler="eager")
-    flops = {  # --quick's fxsplit rows already run compiler="eager": count on those
-        layout: _count_b_w(*(built[layout, "fxsplit"] if quick else
-                             _build_layout(layout, copy.deepcopy(base), make_hidden, dim, vocab, twin)))
-        for layout in ("first", "middle")}
+        if quick and variant == "fxsplit" and layout in ("first", "middle"):
+            flops[layout] = _count_b_w(*made[0])  # --quick's fxsplit rows already run compiler="eager"
+        del made
+    for layout in ("first", "middle"):
+        if layout not in flops:
+            say(f"memory: FLOPs of B and W on the {layout} stage (a compiler='eager' twin)")
+            _reset_dynamo()
+            twin = fxsplit.backend(compiler="eager")
+            flops[layout] = _count_b_w(*_build_layout(layout, copy.deepcopy(base), make_hidden, dim, vocab, twin))
+    _reset_dynamo()
     return {
         "layouts": list(LAYOUTS),
         "variants": {
