@@ -21,7 +21,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 _COMMANDS = {"bench": "time, FLOPs and memory of the backward in six modes (eager / inductor / fxsplit, "
-                      "ordinary and split)"}
+                      "ordinary and split), accumulation, memory per stage layout, compile time"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,6 +44,7 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--reps", "0"], "--reps must be at least 1, got 0"),
         (["--reps", "-3"], "--reps"),
         (["--reps", "many"], "--reps"),
+        (["--compile-reps", "0"], "--compile-reps must be at least 1, got 0"),
         (["--batch", "0"], "--batch must be at least 1"),
         (["--seq", "-1"], "--seq"),
         (["--layers", "0"], "--layers"),

@@ -19,6 +19,14 @@ side by side, on the same weights and inputs:
 6. ``fxsplit+split``: the same module with ``fxsplit.stage_backward_input``
    then ``fxsplit.stage_backward_weight``.
 
+Then, on the same stage: the graph time and host time of mode 6 (from
+``PendingWeightGrads.timings`` where fxsplit records them), 4 microbatches
+accumulating into ``.grad`` (Inductor's ordinary backward against fxsplit's
+B + W), memory between B and W for a middle, a last and a first stage layout
+(:mod:`fxsplit.bench.memory`) and compile time per kind of user
+(:mod:`fxsplit.bench.compile_time`, last: it resets Dynamo). Every target is
+printed as a verdict with the spread it rests on and stored under ``targets``.
+
 How each figure is taken (also stored in the JSON under ``methods``):
 
 * times: each repetition runs forward, then B and W (split modes) or the
@@ -29,7 +37,8 @@ How each figure is taken (also stored in the JSON under ``methods``):
   background load hits all modes alike; warm-up repetitions are dropped and
   medians (and IQRs) come from ``torch.utils.benchmark.Measurement``.
 * FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` over B, W and the
-  ordinary backward. A dispatch mode cannot see inside a fused Inductor
+  ordinary backward, with :mod:`fxsplit.bench.flops`' formulas for the ops it
+  counts as 0 (``_grouped_mm``, CPU flash attention). A dispatch mode cannot see inside a fused Inductor
   kernel, so for the compiled modes FLOPs are counted on the very FX graphs
   Inductor compiles (Inductor's decompositions and partitioner, run op by op
   via ``fxsplit.backend(compiler="eager")``); what the counter observes in
@@ -55,7 +64,6 @@ How each figure is taken (also stored in the JSON under ``methods``):
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import copy
 import dataclasses
@@ -77,23 +85,32 @@ from typing import Any, TextIO
 import torch
 from torch.utils.benchmark import Measurement
 from torch.utils.benchmark.utils.common import TaskSpec
-from torch.utils.flop_counter import FlopCounterMode
 
 import fxsplit
 from fxsplit.cli import OneLineErrorParser
+from fxsplit.bench.compile_time import COMPILE_USERS, measure_compile_times
+from fxsplit.bench.flops import flop_counter
+from fxsplit.bench.memory import MEMORY_TARGETS, MemoryMeter as _MemoryMeter, measure_memory_layouts, memory_targets
 from fxsplit.bench.models import MODELS, ModelConfig, Stage, build
 
 log = logging.getLogger("fxsplit")
 
 __all__ = ["BenchSettings", "MODE_KEYS", "build_parser", "main", "run", "format_table"]
 
-SCHEMA_VERSION = 1
+# 2: FLOPs include grouped_mm and CPU flash attention; host, accumulate, memory and compile sections.
+SCHEMA_VERSION = 2
 MODE_KEYS = ("eager", "eager+upstream", "inductor", "inductor+upstream", "fxsplit", "fxsplit+split")
 REFERENCE = "inductor"
 TARGETS = {
     "split_backward_vs_inductor": "fxsplit B+W total <= 1.05 x inductor ordinary backward",
     "duplicated_flops": "fxsplit split duplicates 0% of the backward FLOPs",
     "speedup_vs_inductor_upstream": "fxsplit split backward >= 1.5 x faster than inductor + upstream split",
+    "host_time": "fxsplit split: time outside the compiled graphs (B + W) <= 2 % of inductor's ordinary backward",
+    "accumulate_vs_inductor": "4 microbatches into .grad: fxsplit B+W per microbatch <= 1.00 x inductor's ordinary "
+    "backward doing the same",
+    "compile_split_vs_inductor": "compile time of a split-only fxsplit user (first forward + B + W) <= 1.1 x "
+    "backend='inductor' (first forward + backward)",
+    **MEMORY_TARGETS,
 }
 
 
@@ -134,6 +151,7 @@ class BenchSettings:
     min_time_s: float = 2.0
     warm_cache: bool = False
     quick: bool = False
+    compile_reps: int = 3
     out: Path | None = None
     chart: bool = True
 
@@ -161,8 +179,9 @@ def build_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog=prog,
         description="Time, count FLOPs and measure memory of the backward of one pipeline stage in six modes: "
-        "eager / Inductor / fxsplit, each with an ordinary backward and with a B/W split. Progress goes to "
-        "stderr; the table to stdout.",
+        "eager / Inductor / fxsplit, each with an ordinary backward and with a B/W split; then graph vs host time, "
+        "4 microbatches accumulating into .grad, memory between B and W on a middle, last and first stage, and "
+        "compile time per kind of user. Progress goes to stderr; the table to stdout.",
     )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
@@ -180,6 +199,9 @@ def build_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
                    "(its verdicts are marked unreliable); written to <device>[-<model>]-quick.json, never over a "
                    "full run's results")
     p.add_argument("--reps", type=int, default=None, help="most timed repetitions per mode (default 30; 3 with --quick)")
+    p.add_argument("--compile-reps", type=int, default=None,
+                   help="rounds of the compile-time comparison (inductor, fxsplit split-only, fxsplit fused-only, "
+                   "each compiled from scratch; default 3, 1 with --quick)")
     p.add_argument("--warm-cache", action="store_true",
                    help="use the normal Inductor caches (compile times then include cache hits)")
     p.add_argument("--out", type=Path, default=None,
@@ -261,7 +283,11 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--embedding applies to --model gpt only")
     cfg = ModelConfig(name=args.model, embedding=args.embedding, **sizes)
     _check_model(parser, cfg, dtype)
-    timing = dict(warmup=1, min_reps=3, reps=3, min_time_s=0.0) if args.quick else {}
+    timing: dict[str, Any] = dict(warmup=1, min_reps=3, reps=3, min_time_s=0.0, compile_reps=1) if args.quick else {}
+    if args.compile_reps is not None:
+        if args.compile_reps < 1:
+            parser.error(f"--compile-reps must be at least 1, got {args.compile_reps}")
+        timing["compile_reps"] = args.compile_reps
     if args.reps is not None:
         timing.update(reps=args.reps, min_reps=min(args.reps, timing.get("min_reps", 5)))
     out = args.out or default_out_path(device, cfg, quick=args.quick)
@@ -354,18 +380,47 @@ def _backward_phases(
     return None
 
 
-def _timed_step(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device) -> dict[str, float]:
+HOST_KEYS = ("b_ns", "b_graph_ns", "w_ns", "w_graph_ns", "w_commit_ns")
+
+
+def _timed_step(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device,
+                host: list[dict[str, int] | None] | None = None) -> dict[str, float]:
+    """Seconds per phase of one step. For the fxsplit split, appends to ``host``
+    the step's ``PendingWeightGrads.timings`` (nanoseconds in and around the
+    compiled graphs), or ``None`` where this fxsplit does not record them."""
     x = stage.make_input()
     clock = _Clock(device)
     phases: list[str] = []
+    held: list[Any] = []
 
     def between(phase: str) -> None:
         clock.mark()
         phases.append(phase)
 
     clock.mark()
-    _backward_phases(mode, mode.module, x, grad, between)
+    _backward_phases(mode, mode.module, x, grad, between, on_pending=held.append)
+    if host is not None and mode.split == "fxsplit":
+        t = getattr(held[0], "timings", None)
+        host.append({k: int(t[k]) for k in HOST_KEYS if k in t} if t is not None else None)
     return dict(zip(phases, clock.intervals()))
+
+
+ACCUMULATE_MICROBATCHES = 4
+
+
+def _accumulate_step(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device) -> float:
+    """Seconds of backward (B + W, or the ordinary backward) summed over
+    :data:`ACCUMULATE_MICROBATCHES` microbatches accumulating into ``.grad``,
+    which starts as ``None`` (as after ``zero_grad(set_to_none=True)``): the
+    first microbatch allocates ``.grad``, the others add to it. Forwards are
+    not counted."""
+    for p in _params(mode.module):
+        p.grad = None
+    total = 0.0
+    for _ in range(ACCUMULATE_MICROBATCHES):
+        t = _timed_step(mode, stage, grad, device)
+        total += sum(v for k, v in t.items() if k != "forward")
+    return total
 
 
 def _held_declared(mode: Mode, pending: Any) -> int:
@@ -381,58 +436,6 @@ def _held_declared(mode: Mode, pending: Any) -> int:
 
 
 # -- memory ----------------------------------------------------------------
-class _MemoryMeter:
-    """Live allocator bytes above the level at the start of a window: the peak
-    within the window and the level at named marks.
-
-    CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated``. CPU: the
-    allocation (+bytes) and free (-bytes) events the CPU allocator reports to
-    ``torch.profiler`` with ``profile_memory=True``, summed in time order; a
-    mark is a ``record_function`` event placed on the same clock. (Frees of
-    blocks allocated before the window are not reported, which can only make
-    the CPU figures higher, never lower.)
-    """
-
-    _PREFIX = "fxsplit_bench::"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak = 0
-        self.levels: dict[str, int] = {}
-        self._base = 0
-
-    @contextlib.contextmanager
-    def window(self) -> Iterator[_MemoryMeter]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            yield self
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
-            return
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            yield self
-        events = list(prof.profiler.kineto_results.events())
-        mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-        times = [e.start_ns() for e in mem]
-        running = list(itertools.accumulate((e.nbytes() for e in mem), initial=0))
-        self.peak = max(running)
-        for e in events:
-            if e.name().startswith(self._PREFIX):
-                self.levels[e.name()[len(self._PREFIX):]] = running[bisect.bisect_left(times, e.start_ns())]
-
-    def mark(self, name: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.levels[name] = torch.cuda.memory_allocated(self.device) - self._base
-        else:
-            with torch.profiler.record_function(self._PREFIX + name):
-                pass
-
-
 def _measure_memory(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device) -> dict[str, int | None]:
     """Peak over forward + backward; for split modes also what is held between B and W."""
     meter = _MemoryMeter(device)
@@ -459,17 +462,17 @@ def _count_flops(mode: Mode, module: torch.nn.Module, stage: Stage, grad: torch.
     with mode.context():
         out = module(x)
         if mode.split is None:
-            with FlopCounterMode(display=False) as fc:
+            with flop_counter() as fc:
                 torch.autograd.backward([out], [grad])
             counts["backward"] = fc.get_total_flops()
             return counts
-        with FlopCounterMode(display=False) as fb:
+        with flop_counter() as fb:
             if mode.split == "upstream":
                 _, pending = _upstream().stage_backward_input([out], [grad], [x], iter(params))
             else:
                 _, pending = fxsplit.stage_backward_input([out], [grad], [x], params)
         del out
-        with FlopCounterMode(display=False) as fw:
+        with flop_counter() as fw:
             if mode.split == "upstream":
                 _upstream().stage_backward_weight(iter(params), pending)
             else:
@@ -676,13 +679,28 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     progress.say(f"timing {rounds} round(s), the six modes interleaved: "
                  f"{', '.join(f'{k} x{n}' for k, n in want.items())}")
     samples: dict[str, dict[str, list[float]]] = {m.key: {} for m in modes}
+    host: list[dict[str, int] | None] = []
     t0 = time.perf_counter()
     for r in range(rounds):
         for mode in modes:
             if r < want[mode.key]:
-                for phase, t in _timed_step(mode, stage, grad, device).items():
+                for phase, t in _timed_step(mode, stage, grad, device, host).items():
                     samples[mode.key].setdefault(phase, []).append(t)
         progress.count("timing, rounds done", r + 1, rounds, t0)
+
+    # 2b. microbatch accumulation: inductor's ordinary backward vs fxsplit's B + W, 4 microbatches into .grad
+    acc_rounds = max(settings.min_reps, min(settings.reps, math.ceil(
+        settings.min_time_s / max(ACCUMULATE_MICROBATCHES * (step_s["inductor"] + step_s["fxsplit+split"]), 1e-6))))
+    acc: dict[str, list[float]] = {"inductor": [], "fxsplit+split": []}
+    by_key = {m.key: m for m in modes}
+    t0 = time.perf_counter()
+    for r in range(settings.warmup + acc_rounds):
+        for key in acc:
+            t = _accumulate_step(by_key[key], stage, grad, device)
+            if r >= settings.warmup:
+                acc[key].append(t)
+        progress.count(f"accumulating {ACCUMULATE_MICROBATCHES} microbatches into .grad, rounds done", r + 1,
+                       settings.warmup + acc_rounds, t0)
 
     # 3. memory and FLOPs (untimed)
     results = []
@@ -725,6 +743,42 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     by["inductor+upstream"]["default_config_error"] = default_error
     targets = _targets(by)
 
+    # 4. graph vs host time of the split, accumulation, memory per stage layout, compile time per user
+    host_section = _host_section(host, by["inductor"])
+    targets["host_time"] = _host_target(host_section)
+    acc_section = {
+        "microbatches": ACCUMULATE_MICROBATCHES,
+        "what": f"backward time summed over {ACCUMULATE_MICROBATCHES} microbatches accumulating into .grad "
+        "(set to None first): inductor's ordinary backward vs fxsplit's B then W per microbatch",
+        "inductor": _stats(acc["inductor"], "inductor", "accumulate"),
+        "fxsplit+split": _stats(acc["fxsplit+split"], "fxsplit+split", "accumulate"),
+    }
+    ratios = [a / b for a, b in zip(acc["fxsplit+split"], acc["inductor"])]
+    targets["accumulate_vs_inductor"] = _timing_target(
+        "accumulate_vs_inductor", 1.00,
+        acc_section["fxsplit+split"]["median_ms"] / acc_section["inductor"]["median_ms"], ratios,
+        higher_is_better=False)
+    memory_section: dict[str, Any] | None = None
+    if settings.model.name == "conv" or settings.model.embedding:
+        why = "the memory layouts wrap a body taking hidden states (batch, ..., dim); this model does not"
+        memory_section = {"skipped": why}
+        for name in MEMORY_TARGETS:
+            targets[name] = _not_measured(name, why)
+    else:
+        with progress.phase("memory between B and W: middle, last and first stage layouts"):
+            memory_section = measure_memory_layouts(base, stage.make_input, settings.model.dim, settings.model.vocab,
+                                                    device, settings.quick, say=progress.say)
+        targets.update(memory_targets(memory_section))
+    with progress.phase(f"compile time per user ({settings.compile_reps} round(s); resets Dynamo)"):
+        compile_section = measure_compile_times(base, stage.make_input, grad, settings.compile_reps,
+                                                settings.warm_cache, sync=lambda: _sync(device), say=progress.say)
+    cs = compile_section["samples_s"]
+    targets["compile_split_vs_inductor"] = _timing_target(
+        "compile_split_vs_inductor", 1.1,
+        compile_section["median_s"]["fxsplit-split"] / compile_section["median_s"]["inductor"],
+        [a / b for a, b in zip(cs["fxsplit-split"], cs["inductor"])], higher_is_better=False,
+        min_reps=COMPILE_RELIABLE_MIN_REPS)
+
     result = {
         "schema": SCHEMA_VERSION,
         "device": {"type": device.type, "name": _device_name(device), "torch_threads": torch.get_num_threads(),
@@ -739,6 +793,10 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
         "reference": REFERENCE,
         "modes": results,
         "mode4_default_config_error": default_error,
+        "host": host_section,
+        "accumulate": acc_section,
+        "memory": memory_section,
+        "compile": compile_section,
         "targets": targets,
         "methods": _methods(device),
     }
@@ -748,6 +806,8 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
 
 # A timing verdict needs at least this many paired repetitions to be called reliable.
 RELIABLE_MIN_REPS = 5
+# Compiles take tens of seconds each and vary less, relative to their length, than a step does.
+COMPILE_RELIABLE_MIN_REPS = 3
 
 
 def _spread(values: Sequence[float]) -> dict[str, float | int]:
@@ -758,7 +818,7 @@ def _spread(values: Sequence[float]) -> dict[str, float | int]:
 
 
 def _timing_target(what: str, target: float, measured: float, ratios: Sequence[float],
-                   higher_is_better: bool) -> dict[str, Any]:
+                   higher_is_better: bool, min_reps: int = RELIABLE_MIN_REPS) -> dict[str, Any]:
     """A timing target's verdict with the spread of the per-repetition ratios it rests on.
 
     ``measured`` is the ratio of the two modes' median times. Unreliable when
@@ -773,7 +833,7 @@ def _timing_target(what: str, target: float, measured: float, ratios: Sequence[f
     sp = _spread(ratios)
     per_rep_ok = sp["median"] >= target if higher_is_better else sp["median"] <= target
     why = None
-    if sp["n"] < RELIABLE_MIN_REPS:
+    if sp["n"] < min_reps:
         why = f"only {sp['n']} paired repetitions"
     elif sp["q25"] <= target <= sp["q75"]:
         why = f"the target {target:g} lies inside the interquartile range {sp['q25']:.3f}-{sp['q75']:.3f}"
@@ -809,6 +869,52 @@ def _targets(by: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _host_section(host: Sequence[dict[str, int] | None], inductor: dict[str, Any]) -> dict[str, Any]:
+    """Graph time and host time of the fxsplit split per repetition, from ``PendingWeightGrads.timings``.
+
+    Host time of B = ``b_ns - b_graph_ns``, of W = ``w_ns - w_graph_ns``
+    (the autograd walk, recording, the commit's engine call, Python around the
+    graphs). ``available`` is False (figures "n/a") where this fxsplit does
+    not record timings.
+    """
+    if not host or any(h is None or not set(HOST_KEYS[:4]) <= set(h) for h in host):
+        return {"available": False, "why": "n/a: this fxsplit's PendingWeightGrads has no timings",
+                "keys": list(HOST_KEYS)}
+    ms = lambda ns: ns / 1e6  # noqa: E731
+    per_rep = {
+        "b_graph_ms": [ms(h["b_graph_ns"]) for h in host],  # type: ignore[index]
+        "b_host_ms": [ms(h["b_ns"] - h["b_graph_ns"]) for h in host],  # type: ignore[index]
+        "w_graph_ms": [ms(h["w_graph_ns"]) for h in host],  # type: ignore[index]
+        "w_host_ms": [ms(h["w_ns"] - h["w_graph_ns"]) for h in host],  # type: ignore[index]
+    }
+    if all("w_commit_ns" in h for h in host):  # type: ignore[operator]
+        per_rep["w_commit_ms"] = [ms(h["w_commit_ns"]) for h in host]  # type: ignore[index]
+    host_ms = [b + w for b, w in zip(per_rep["b_host_ms"], per_rep["w_host_ms"])]
+    fused = inductor["timing"]["total_backward"]["samples_ms"]
+    return {
+        "available": True,
+        "what": "fxsplit split, per timed repetition: time inside the compiled dI/dW graphs and outside them "
+        "(host: B = b_ns - b_graph_ns, W = w_ns - w_graph_ns), from PendingWeightGrads.timings",
+        **{k: _spread(v) for k, v in per_rep.items()},
+        "host_ms": _spread(host_ms),
+        "host_fraction_of_inductor_backward": [h / f for h, f in zip(host_ms, fused)],
+        "samples": per_rep,
+    }
+
+
+def _host_target(section: dict[str, Any]) -> dict[str, Any]:
+    if not section["available"]:
+        return _not_measured("host_time", section["why"])
+    ratios = section["host_fraction_of_inductor_backward"]
+    return _timing_target("host_time", 0.02, statistics.median(ratios), ratios, higher_is_better=False)
+
+
+def _not_measured(name: str, why: str) -> dict[str, Any]:
+    """A target this run could not measure: verdict "n/a" and the reason."""
+    return {"target": None, "measured": None, "pass": None, "what": TARGETS[name], "reliable": False,
+            "unreliable_because": why, "verdict": "n/a"}
+
+
 def _methods(device: torch.device) -> dict[str, str]:
     cpu = device.type != "cuda"
     return {
@@ -829,7 +935,17 @@ def _methods(device: torch.device) -> dict[str, str]:
                        else "torch.cuda.max_memory_allocated")
         + ": highest live bytes above the pre-forward level during forward + backward",
         "compile_s": "wall time of the first forward + backward (Dynamo + AOTAutograd + Inductor), each compiled "
-        "module in a fresh Inductor cache unless --warm-cache; fxsplit compiles forward, dI, dW and the fused backward",
+        "module in a fresh Inductor cache unless --warm-cache; what fxsplit compiles on that first ordinary "
+        "backward depends on its runtime (all graphs, or only the fused one with lazy compilation)",
+        "host": "PendingWeightGrads.timings of every timed fxsplit+split repetition (ns): host time of B = b_ns - "
+        "b_graph_ns, of W = w_ns - w_graph_ns; target: their sum / inductor's ordinary backward of the same round",
+        "accumulate": f"{ACCUMULATE_MICROBATCHES} microbatches, .grad set to None first; backward phases timed "
+        "(forwards not counted); inductor and fxsplit+split interleaved per round; warm-up rounds dropped",
+        "memory": "fxsplit.bench.memory: per stage layout (middle / last / first) and split (upstream, fxsplit, "
+        "fxsplit defer='all'): allocator bytes alive after F+B, declared bytes, SplitResult live-in and all-crossing "
+        "bytes evaluated at the microbatch's sizes, peak over a ZB-V-like sequence of 4 microbatches",
+        "compile": "fxsplit.bench.compile_time: first step after torch._dynamo.reset() for backend='inductor', "
+        "fxsplit used only split (F, B, W) and fxsplit used only fused (F, backward); rounds interleaved",
     }
 
 
@@ -843,6 +959,10 @@ def _verdict_line(name: str, t: dict[str, Any]) -> str:
     verdict = t.get("verdict") or ("PASS" if t["pass"] else "MISS")  # results written before spreads were kept
     if name == "duplicated_flops":
         return f"target {verdict}: {t['what']} (measured {t['measured']:.3f} %, exact FLOP counts)"
+    if verdict == "n/a":
+        return f"target n/a: {t['what']} ({t['unreliable_because']})"
+    if "detail" in t:  # exact figures (memory, FLOPs): no spread
+        return f"target {verdict}: {t['what']} (measured {t['measured']:.3f}, target {t['target']}; {t['detail']})"
     line = f"target {verdict}: {t['what']} (measured {t['measured']:.3f} x"
     sp = t.get("spread")
     if sp:
@@ -852,8 +972,65 @@ def _verdict_line(name: str, t: dict[str, Any]) -> str:
         line += "; no spread recorded: results written by an older fxsplit bench, reliability unknown"
     line += ")"
     if t.get("unreliable_because"):
-        line += f"\n    unreliable: {t['unreliable_because']}; rerun with more --reps on an idle machine"
+        more = "--compile-reps" if name.startswith("compile") else "--reps"
+        line += f"\n    unreliable: {t['unreliable_because']}; rerun with more {more} on an idle machine"
     return line
+
+
+def _section_lines(result: dict[str, Any]) -> list[str]:
+    """Host time, accumulation, memory per stage layout and compile time, where the result has them."""
+    out: list[str] = []
+    host = result.get("host")
+    if host is not None:
+        if not host["available"]:
+            out.append(f"host time (fxsplit split, outside the compiled graphs): {host['why']}")
+        else:
+            med = lambda k: host[k]["median"]  # noqa: E731
+            out.append(
+                f"fxsplit split, median ms: B graphs {med('b_graph_ms'):.3f} + host {med('b_host_ms'):.3f}; "
+                f"W graphs {med('w_graph_ms'):.3f} + host {med('w_host_ms'):.3f}"
+                + (f" (commit {med('w_commit_ms'):.3f})" if "w_commit_ms" in host else "")
+                + f"; host B+W {med('host_ms'):.3f} (IQR {host['host_ms']['q25']:.3f}-{host['host_ms']['q75']:.3f})")
+    acc = result.get("accumulate")
+    if acc is not None:
+        i, f = acc["inductor"], acc["fxsplit+split"]
+        out.append(f"{acc['microbatches']} microbatches into .grad, backward ms (median, IQR): inductor "
+                   f"{i['median_ms']:.2f} ({i['iqr_ms']:.2f}), fxsplit B+W {f['median_ms']:.2f} ({f['iqr_ms']:.2f}), "
+                   f"n={f['n']}")
+    mem = result.get("memory")
+    if mem and "rows" in mem:
+        kib = lambda v: "-" if v is None else f"{v / 1024:.1f}"  # noqa: E731
+        out.append(f"memory between B and W (KiB; {mem['microbatches']} microbatches in the ZB-V-like order "
+                   f"{mem['zbv_sequence']}; {mem['compiler']}):")
+        head = ("stage", "split", "alive B->W", "declared", "live-in", "all-crossing", "live-in B/token", "ZB-V peak")
+        rows = [(r["layout"], r["variant"], kib(r["alive_bytes"]), kib(r["declared_bytes"]), kib(r["live_in_bytes"]),
+                 kib(r["all_crossing_bytes"]),
+                 "-" if r["live_in_bytes_per_token"] is None else f"{r['live_in_bytes_per_token']:.0f}",
+                 kib(r["zbv_peak_bytes"])) for r in mem["rows"]]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+        for cells in (head, *rows):
+            out.append("  " + "  ".join(c.ljust(w) if k < 2 else c.rjust(w)
+                                        for k, (c, w) in enumerate(zip(cells, widths))))
+        fl = mem["flops"]
+        out.append(f"  FLOPs (compiler='eager' twins): first stage B {fl['first']['B']:,} W {fl['first']['W']:,}; "
+                   f"middle stage B {fl['middle']['B']:,} W {fl['middle']['W']:,}")
+        out.append(f"  fxsplit row: {mem['variants']['fxsplit']}")
+    elif mem:
+        out.append(f"memory between B and W: skipped ({mem['skipped']})")
+    comp = result.get("compile")
+    if comp is not None:
+        med = comp["median_s"]
+        out.append("compile time, first step from scratch (median s): "
+                   + ", ".join(f"{u} {med[u]:.1f}" for u in COMPILE_USERS)
+                   + f" ({len(comp['samples_s']['inductor'])} round(s); {comp['method']})")
+        regions = comp.get("region_compile_seconds")
+        if regions:
+            for u in COMPILE_USERS:
+                last = next((x for x in reversed(regions[u]) if x), None)
+                if last:
+                    out.append(f"  {u}: fxsplit regions' compile_seconds " + ", ".join(
+                        f"{k} {v:.1f}" for k, v in sorted(last.items())))
+    return out
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -890,6 +1067,7 @@ def format_table(result: dict[str, Any]) -> str:
     err = result["mode4_default_config_error"]
     out.append("mode 4 with AOTAutograd defaults: " + (f"FAILS: {err}" if err else "did not fail")
                + "; measured above with donated_buffer=False.")
+    out += _section_lines(result)
     for name, t in result["targets"].items():
         out.append(_verdict_line(name, t))
     if m.get("embedding"):

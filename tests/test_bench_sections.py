@@ -1,0 +1,114 @@
+"""The benchmark's newer sections, without a full run: host time from
+``PendingWeightGrads.timings``, microbatch accumulation, and the memory
+targets' verdicts (pure functions over recorded figures)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from fxsplit.bench import run as bench
+from fxsplit.bench.memory import memory_targets
+from fxsplit.bench.models import ModelConfig, Stage
+
+
+def _inductor(samples_ms: list[float]) -> dict:
+    return {"timing": {"total_backward": {"samples_ms": samples_ms}}}
+
+
+def test_host_time_is_total_minus_graph_time_per_repetition() -> None:
+    host = [
+        {"b_ns": 3_000_000, "b_graph_ns": 2_500_000, "w_ns": 2_000_000, "w_graph_ns": 1_900_000, "w_commit_ns": 50_000},
+        {"b_ns": 4_000_000, "b_graph_ns": 3_000_000, "w_ns": 2_000_000, "w_graph_ns": 1_800_000, "w_commit_ns": 70_000},
+    ]
+    section = bench._host_section(host, _inductor([10.0, 20.0]))
+    assert section["available"] is True
+    assert section["samples"]["b_host_ms"] == pytest.approx([0.5, 1.0])
+    assert section["samples"]["w_host_ms"] == pytest.approx([0.1, 0.2])
+    assert section["samples"]["w_commit_ms"] == pytest.approx([0.05, 0.07])
+    assert section["host_fraction_of_inductor_backward"] == pytest.approx([0.06, 0.06])
+    t = bench._host_target(section)
+    assert t["measured"] == pytest.approx(0.06) and t["pass"] is False and t["verdict"].startswith("MISS")
+
+
+@pytest.mark.parametrize("host", [[None, None], []])
+def test_host_time_without_timings_is_na(host: list) -> None:
+    section = bench._host_section(host, _inductor([1.0, 1.0]))
+    assert section["available"] is False and "n/a" in section["why"]
+    t = bench._host_target(section)
+    assert t["verdict"] == "n/a" and t["pass"] is None
+    assert bench._verdict_line("host_time", t).startswith("target n/a:")
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.gelu(self.a(x))) + x
+
+
+def test_accumulation_step_accumulates_like_four_ordinary_backwards() -> None:
+    """B then W per microbatch, four times, leaves the same .grad as four ordinary backward calls."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(4, 8) for _ in range(bench.ACCUMULATE_MICROBATCHES)]
+    it = iter(xs)
+    stage = Stage(model, lambda: next(it).clone().requires_grad_(True), ModelConfig(name="mlp"), "tiny")
+    grad = torch.randn(4, 8)
+    compiled = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)  # set to None first: this must not survive
+    mode = bench.Mode("fxsplit+split", "fxsplit split", compiled, "fxsplit")
+    seconds = bench._accumulate_step(mode, stage, grad, torch.device("cpu"))
+    assert math.isfinite(seconds) and seconds > 0
+    for x in xs:
+        ref(x.clone().requires_grad_(True)).backward(grad)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def _row(layout: str, alive: int, declared: int, live: int | None, crossing: int | None) -> dict:
+    return {"layout": layout, "variant": "fxsplit", "alive_bytes": alive, "declared_bytes": declared,
+            "live_in_bytes": live, "all_crossing_bytes": crossing}
+
+
+def test_memory_targets_verdicts() -> None:
+    section = {
+        "rows": [_row("middle", 100, 100, 80, 100), _row("last", 130, 100, 80, 80), _row("first", 50, 50, None, None),
+                 {**_row("middle", 10**9, 1, 1, 1), "variant": "upstream"}],  # upstream is not judged
+        "flops": {"first": {"B": 0, "W": 30}, "middle": {"B": 20, "W": 10}},
+    }
+    t = memory_targets(section)
+    assert t["alive_between_b_and_w"]["pass"] is False and t["alive_between_b_and_w"]["measured"] == pytest.approx(1.3)
+    assert "worst layout: last" in t["alive_between_b_and_w"]["detail"]
+    assert t["live_in_vs_all_crossing"]["pass"] is True and t["live_in_vs_all_crossing"]["measured"] == 1.0
+    assert "strictly lower on: middle" in t["live_in_vs_all_crossing"]["detail"]
+    assert "no compiled region split at B" in t["live_in_vs_all_crossing"]["detail"]
+    assert t["first_stage_w_flops"]["pass"] is False and t["first_stage_w_flops"]["measured"] == 3.0
+    section["flops"]["first"] = {"B": 20, "W": 10}
+    section["rows"][1]["alive_bytes"] = 105
+    t = memory_targets(section)
+    assert t["first_stage_w_flops"]["pass"] is True and t["alive_between_b_and_w"]["pass"] is True
+    for name, v in t.items():
+        assert bench._verdict_line(name, v).startswith(f"target {v['verdict']}:")
+
+
+def test_region_compile_seconds_are_summed_per_kind_or_none() -> None:
+    from types import SimpleNamespace
+
+    from fxsplit.bench.compile_time import _region_seconds
+
+    regions = [SimpleNamespace(compile_seconds={"fused": 1.0, "dI": None}),
+               SimpleNamespace(compile_seconds={"fused": 0.5, "dI": 2.0, "dW": 3.0}), SimpleNamespace()]
+    assert _region_seconds(regions) == {"fused": 1.5, "dI": 2.0, "dW": 3.0}
+    assert _region_seconds([SimpleNamespace(), SimpleNamespace(stats={})]) is None
+    assert _region_seconds([]) is None
