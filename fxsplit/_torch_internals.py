@@ -9,6 +9,7 @@ torch 2.11 - 2.14.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -156,6 +157,61 @@ def compiled_backward_of(node: Any) -> Any:
             break
         fn = inner
     return fn
+
+
+class _AnchorProbe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+@functools.cache
+def function_nodes_outlive_their_graph() -> bool:
+    """Whether holding the Python object of a custom Function's backward node
+    (``BackwardCFunction``: custom Functions and AOTAutograd's compiled
+    regions) keeps the node alive once nothing else refers to it.
+
+    torch 2.13 and later: yes, as for C++ nodes. torch 2.11: no, the object
+    holds the node weakly; once the graph above it is freed (the stage output
+    detached or dropped) every method of it raises "Attribute ... is invalid
+    for this instance of _C._FunctionBase" (pytorch/pytorch#166577 is the same
+    failure in upstream's split). Probed once on a throwaway Function.
+    """
+    x = torch.ones(1, requires_grad=True)
+    with torch.enable_grad():
+        y = _AnchorProbe.apply(x)
+    node = y.grad_fn
+    del y
+    try:
+        node.name()
+    except RuntimeError:
+        return False
+    return True
+
+
+def graph_anchor(t: torch.Tensor) -> Any:
+    """An object that keeps ``t``'s autograd graph (``t.grad_fn`` and every node
+    below it) alive after ``t`` is detached or dropped, without keeping ``t``'s
+    memory; ``None`` where nothing is needed (no graph, or a torch on which
+    fxsplit's references to the nodes keep them alive:
+    :func:`function_nodes_outlive_their_graph`).
+
+    A C++ node's Python object owns the node, so it is its own anchor; a
+    custom Function's node (torch 2.11) is anchored through a C++ view node
+    made for it: a zero-element view of ``t`` (``unsqueeze(0).narrow(0, 0, 0)``),
+    whose ``SliceBackward0`` holds an edge to ``t``'s node and saves sizes only.
+    """
+    node = t.grad_fn
+    if node is None or function_nodes_outlive_their_graph():
+        return None
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return node
+    with torch.enable_grad():
+        return t.unsqueeze(0).narrow(0, 0, 0).grad_fn
 
 
 def is_accumulate_grad(node: Any) -> bool:

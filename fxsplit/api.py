@@ -288,6 +288,8 @@ def stage_backward_input(
     work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
     ran = sorted({r.region for r in call.records})
     del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
+    if retain:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
+        work.anchor(ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor))
     for o in outs:
         if isinstance(o, torch.Tensor) and o.grad_fn is not None:
             setattr(o, _B_DONE, True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -223,6 +223,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # for W (every other node B ran has freed its own).
         self._rerun = list(rerun)
         self._committed: set[int] = set()
+        self._anchors: list[Any] = []
         self._lock = threading.Lock()
         self.done = False
 
@@ -262,6 +263,11 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 )
             )
         return cls(weights, records, groups, plan.split_regions, plan.unreached, list(plan.rerun))
+
+    def anchor(self, anchors: Iterable[Any]) -> None:
+        """Keep these objects (``_torch_internals.graph_anchor``: what keeps the
+        autograd graph W re-runs alive on torch 2.11) until W completes."""
+        self._anchors.extend(a for a in anchors if a is not None)
 
     # -- upstream-style view ---------------------------------------------------
     def _views(self) -> list[ParamGroup]:
@@ -469,4 +475,5 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self.groups = []
         self._split_regions = []
         self._rerun = []
+        self._anchors = []
         self._committed = set()

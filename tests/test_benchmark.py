@@ -6,6 +6,7 @@ No timing thresholds: only that every mode produced a number where it should.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -28,6 +29,9 @@ def _finite(v: Any) -> bool:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
     """(result, stdout, stderr) of ``fxsplit bench --quick``."""
+    why = bench.upstream_split_failure()
+    if why is not None:  # the bench refuses to run (tests/test_cli.py checks that it says why)
+        pytest.skip(why)
     out = tmp_path_factory.mktemp("bench") / "quick.json"
     stdout, stderr = io.StringIO(), io.StringIO()
     # through the console-script entry point, as `fxsplit bench --quick` runs it
@@ -230,3 +234,29 @@ def test_quick_run_has_every_new_section(quick_result: tuple[dict[str, Any], str
         assert len(comp["samples_s"][user]) == 1 and comp["samples_s"][user][0] > 0
     for needle in ("4 microbatches into .grad", "memory between B and W", "compile time, first step"):
         assert needle in stdout, needle
+
+
+def test_upstream_probe_agrees_with_a_compiled_module() -> None:
+    """The bench's probe (one custom autograd Function) predicts whether upstream's split
+    runs on a compiled module on this torch (torch 2.11: it fails, pytorch/pytorch#166577)."""
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    ref = copy.deepcopy(module)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = compiled(x)
+    grad = torch.randn_like(out)
+    try:
+        _, pending = bench._upstream().stage_backward_input([out], [grad], [x], module.parameters())
+        bench._upstream().stage_backward_weight(module.parameters(), pending)
+    except RuntimeError:
+        assert bench.upstream_split_failure() is not None
+        return
+    assert bench.upstream_split_failure() is None
+    x_ref = x.detach().clone().requires_grad_()
+    ref(x_ref).backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for p, q in zip(module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -119,3 +119,22 @@ def test_top_level_command_errors(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "invalid choice: 'no-such-command'" in err[0]
     assert cli.main([]) == 2
+
+
+def test_bench_refuses_when_upstream_split_cannot_run(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """On a torch whose upstream split fails on compiled modules (torch 2.11), the bench
+    stops with the probe's one-line reason instead of a traceback after minutes of compiling."""
+
+    class BrokenUpstream:
+        @staticmethod
+        def stage_backward_input(outputs: object, grads: object, inputs: object, weights: object) -> tuple:
+            return (None,), []
+
+        @staticmethod
+        def stage_backward_weight(weights: object, pending: object) -> None:
+            raise RuntimeError("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase.")
+
+    monkeypatch.setattr(bench, "_upstream", lambda: BrokenUpstream)
+    line = _error(["--quick", "--device", "cpu"], capsys)
+    assert "pytorch/pytorch#166577" in line and "_input_metadata" in line and torch.__version__ in line

@@ -396,8 +396,16 @@ def _cpu_sdpa_flops(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, *
     return sdpa_flop_count(q, k, v)
 
 
+def _with_query_heads(q: Any, kv: Any) -> tuple[int, ...]:
+    """``kv``'s shape with ``q``'s head count: grouped-query attention costs what
+    attention with the key/value heads repeated costs (torch 2.13's formula counts
+    it so; torch 2.11's ``sdpa_backward_flop_count`` refuses differing head counts)."""
+    shape = tuple(kv)
+    return (shape[0], tuple(q)[1], *shape[2:])
+
+
 def _cpu_sdpa_backward_flops(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad, q, k, v)
+    return sdpa_backward_flop_count(grad, q, _with_query_heads(q, k), _with_query_heads(q, v))
 
 
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
