@@ -5,8 +5,14 @@ live-ins, the gradients B saved at eager intermediates, the dI values B
 handed over, the output gradients of outputs whose backward is all weight
 work). :meth:`PendingWeightGrads.run` is W:
 
-1. **compute**: every compiled dW graph runs on its live-ins. Pure: nothing a
-   user can observe changes, and on an exception everything is still held.
+1. **compute**: every compiled dW graph that does not accumulate into
+   ``.grad`` runs on its live-ins. Pure: nothing a user can observe changes,
+   and on an exception everything is still held.
+1b. **accumulate in the graph** (fused accumulation): for a region whose
+   weights already have a ``.grad`` that nothing observes being accumulated
+   (:func:`accumulates_like_autograd`), a dW variant adds their gradients into
+   ``.grad`` in place. Running it is the commit of those weights: they count
+   as accumulated once it starts, also if it raises.
 2. **commit**: :func:`commit_weight_grads`, the one place where W changes
    ``.grad``. Each call is one autograd engine call, as
    ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
@@ -237,6 +243,15 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     It holds only what W needs: the live-ins of each compiled region
     (``compiled``) and, per eager group, the saved gradients and hand-over
     values (``groups``). W drops all of it.
+
+    Inspection: ``timings`` holds nanoseconds of host clock
+    (``time.perf_counter_ns``) summed over B and every W call: ``b_ns`` B in
+    all, ``b_graph_ns`` the part inside compiled dI graphs; ``w_ns`` W in all,
+    ``w_graph_ns`` the part inside dW graphs (accumulating ones included),
+    ``w_commit_ns`` the part in autograd's commit calls (eager W work and
+    accumulation). Host time outside the graphs is ``b_ns - b_graph_ns`` and
+    ``w_ns - w_graph_ns``. ``accumulated_in_graph`` lists the positions (in
+    ``weights``) of the weights W accumulated inside a dW graph.
     """
 
     def __init__(
