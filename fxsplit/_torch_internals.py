@@ -510,36 +510,38 @@ def fake_like(tensor: torch.Tensor, examples: Sequence[Any]) -> Any:
         return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=tensor.device)
 
 
-def _define_accumulating_matmul() -> Any:
+def _define_accumulating_matmul() -> tuple[Any, Any]:
     """``fxsplit::addmm_into(grad, a, b)``: ``grad += a @ b`` in place (ATen's
     ``addmm_``, one GEMM with beta = 1), as an operator of our own.
 
     Why not ``aten.addmm_`` itself: Inductor runs an ATen op it has no
     lowering for as an implicit fallback, and in a backward graph it makes
     every input of such an op contiguous first (``GraphLowering.call_function``,
-    issue pytorch#140452), which copies the transposed activation gradient
-    of every weight-gradient GEMM. A custom op tagged ``flexible_layout``
-    gets its inputs as they are (``tag_to_layout_constraint``), and the
-    ATen kernel it calls handles transposed operands itself. Public APIs
-    only (``torch.library.custom_op``, ``flop_counter.register_flop_formula``);
-    what relies on Inductor is the tag's meaning.
+    pytorch issue 140452), which copies the transposed activation gradient
+    of every weight-gradient GEMM. An operator outside ``aten`` tagged
+    ``flexible_layout`` gets its inputs as they are (``tag_to_layout_constraint``),
+    and ``addmm_`` handles transposed operands itself. Defined with
+    ``torch.library.Library`` and one ``CompositeExplicitAutograd`` kernel
+    (which also serves fake tensors) rather than ``torch.library.custom_op``:
+    W always runs it under no_grad, and custom_op's autograd and
+    ADInplaceOrView layers cost ~10x the GEMM's own dispatch on small weights.
+    Public APIs only; what relies on Inductor is the tag's meaning.
     """
     from torch.utils import flop_counter
 
-    @torch.library.custom_op("fxsplit::addmm_into", mutates_args=("grad",), tags=(torch.Tag.flexible_layout,))
+    lib = torch.library.Library("fxsplit", "FRAGMENT")
+    lib.define("addmm_into(Tensor(a!) grad, Tensor a, Tensor b) -> ()", tags=(torch.Tag.flexible_layout,))
+
     def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         grad.addmm_(a, b)
 
-    @addmm_into.register_fake
-    def _(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        return None
-
-    op = torch.ops.fxsplit.addmm_into.default
+    lib.impl("addmm_into", addmm_into, "CompositeExplicitAutograd")
     # FlopCounterMode counts it as the GEMM it is.
     flop_counter.register_flop_formula(torch.ops.fxsplit.addmm_into)(
         lambda grad_shape, a_shape, b_shape, out_shape=None, **kwargs: flop_counter.mm_flop(a_shape, b_shape)
     )
-    return op
+    return lib, torch.ops.fxsplit.addmm_into.default
 
 
-ADDMM_INTO = _define_accumulating_matmul()
+# The library object owns the registration: kept for the life of the process.
+_ADDMM_INTO_LIB, ADDMM_INTO = _define_accumulating_matmul()
