@@ -222,7 +222,8 @@ def test_fallback_error_raises_at_b_before_anything_changes(monkeypatch: pytest.
 
 
 @pytest.mark.inductor
-def test_inductor_split_only_user_never_compiles_the_fused_graph(inner_compiles: collections.Counter[str]) -> None:
+@pytest.mark.parametrize("user", ["split", "ordinary"])
+def test_inductor_compiles_only_what_each_user_runs(user: str, inner_compiles: collections.Counter[str]) -> None:
     torch.manual_seed(0)
     model = MLP()
     ref = copy.deepcopy(model)
@@ -232,8 +233,12 @@ def test_inductor_split_only_user_never_compiles_the_fused_graph(inner_compiles:
     steps = data(2)
     fn(steps[0][0].clone().requires_grad_())
     assert inner_compiles == {}
-    dxs = [split_step(fn, params, x, g) for x, g in steps]
+    if user == "split":
+        dxs = [split_step(fn, params, x, g) for x, g in steps]
+    else:
+        dxs = [ordinary_step(fn, x, g) for x, g in steps]
     check(model, ref, dxs, [ordinary_step(ref, x, g) for x, g in steps])
-    assert dict(inner_compiles) == {"dI": 1, "dW": 1}
+    expected = {"dI", "dW"} if user == "split" else {"fused"}
+    assert dict(inner_compiles) == {k: 1 for k in expected}
     region = new_region(before)
-    assert set(region.compile_seconds) == {"dI", "dW"} and all(s > 0 for s in region.compile_seconds.values())
+    assert set(region.compile_seconds) == expected and all(s > 0 for s in region.compile_seconds.values())
