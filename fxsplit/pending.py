@@ -148,6 +148,18 @@ def commit_weight_grads(commit: WeightCommit, committed: set[int]) -> None:
                 committed.add(k)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory exactly once (no overlap, no
+    gaps) in some order of its dimensions, as a transposed ``.grad`` does and
+    an expanded one does not."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def accumulates_like_autograd(
     weight: torch.Tensor, grad_dtype: torch.dtype | None, avoid: set[int] = frozenset()  # type: ignore[assignment]
 ) -> bool:
@@ -159,8 +171,8 @@ def accumulates_like_autograd(
     What it does besides, and fused accumulation would skip, is visible from
     Python for: tensor hooks and post-accumulate-grad hooks (then no), a
     ``grad_dtype`` cast, a ``.grad`` of another dtype, device, shape or
-    layout, a sparse, subclass or grad-requiring ``.grad``, a subclass
-    weight. ``avoid``: storages (by data pointer) the compiled graph also
+    layout, a sparse, subclass, grad-requiring or overlapping (expanded)
+    ``.grad``, a subclass weight. ``avoid``: storages (by data pointer) the compiled graph also
     reads, which ``.grad`` must not share. Hooks on the weight's grad
     accumulator node are invisible here (see ``fxsplit.config.fused_accumulation``).
     """
@@ -175,6 +187,7 @@ def accumulates_like_autograd(
         and g.dtype == grad_dtype
         and g.device == weight.device
         and g.shape == weight.shape
+        and _dense(g)
         and not weight._backward_hooks
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
         and getattr(weight, "grad_dtype", None) in (None, g.dtype)

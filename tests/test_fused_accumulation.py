@@ -234,6 +234,26 @@ def test_a_non_contiguous_grad_the_user_assigned_keeps_its_layout() -> None:
     assert_same_grads(model, ref)
 
 
+def test_an_expanded_grad_fails_as_autograd_fails_and_changes_nothing() -> None:
+    """A ``.grad`` whose elements share memory: autograd's in-place accumulation
+    refuses it; so does W, through autograd, with ``.grad`` unchanged."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    xs, gs = data(1)
+    model.b.bias.grad, ref.b.bias.grad = torch.ones(1).expand(6), torch.ones(1).expand(6)
+    with pytest.raises(RuntimeError, match="more than one element") as ref_error:
+        run_reference(ref, xs, gs)
+    params = list(model.parameters())
+    fn = compile_stage(model)
+    xi = xs[0].clone().requires_grad_()
+    _, work = fxsplit.stage_backward_input([fn(xi)], [gs[0]], [xi], params)
+    with pytest.raises(type(ref_error.value), match="more than one element"):
+        fxsplit.stage_backward_weight(params, work)
+    assert not work.accumulated_in_graph
+    torch.testing.assert_close(model.b.bias.grad, torch.ones(6))
+
+
 def test_only_the_weights_given_are_accumulated() -> None:
     torch.manual_seed(0)
     model = MLP()
