@@ -359,9 +359,11 @@ def stage_backward_weight(
     that already has a ``.grad`` and nothing observing its accumulation
     (see ``fxsplit.config.fused_accumulation``) accumulate inside its
     region's dW graph, unless the region's backend or
-    ``fxsplit.config.fused_accumulation`` turned that off. Callers whose
-    weights carry hooks on their grad accumulator node (DDP's reducer)
-    pass ``False``.
+    ``fxsplit.config.fused_accumulation`` turned that off; ``True``
+    ignores the config (a region's ``fused_accumulation=False`` still holds).
+    ``param_groups.accumulated_in_graph`` says which weights took that path.
+    Callers whose weights carry hooks on their grad accumulator node (DDP's
+    reducer) pass ``False``.
 
     Raises, with nothing changed, ``TypeError`` if ``param_groups`` did not
     come from :func:`stage_backward_input`, ``RuntimeError`` if W already
