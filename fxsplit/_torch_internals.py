@@ -477,3 +477,127 @@ def saved_tensors_of(node: Any) -> list[torch.Tensor]:
             if isinstance(item, torch.Tensor):
                 found.append(item)
     return found
+
+
+# -- compiling a region's graphs after the frame compile (used by fxsplit.backend) ---------------
+class CompileContextSnapshot:
+    """What a compile of one of a region's graphs reads from its surroundings,
+    captured while Dynamo compiles the frame: the ``TracingContext`` (fake
+    mode, shape environment, forward metadata), the ``CompileContext``
+    (compile id, for logs and the structured trace), whether autocast was on
+    (the graphs are autocast-lowered already; AOTAutograd compiles a lazy
+    backward with autocast disabled then) and Inductor's config."""
+
+    __slots__ = ("tracing", "compile", "autocast", "inductor_config")
+
+    def __init__(self) -> None:
+        from torch._guards import CompileContext, TracingContext
+        from torch._inductor import config as inductor_config
+
+        self.tracing = TracingContext.try_get()
+        self.compile = CompileContext.try_get()
+        self.autocast = torch._C._is_any_autocast_enabled()
+        self.inductor_config = inductor_config.get_config_copy()
+
+
+def capture_compile_context() -> CompileContextSnapshot:
+    return CompileContextSnapshot()
+
+
+@contextlib.contextmanager
+def restored_compile_context(snapshot: CompileContextSnapshot | None) -> Iterator[None]:
+    """Compile as at the time of ``snapshot``, as AOTAutograd's lazy backward
+    compile does (``_AutogradBackwardCompiler.get_or_compile`` in
+    ``runtime_wrappers.py``: ``tracing(saved_context)``,
+    ``compile_context(saved_compile_context)``, ``_DisableAutocast``), plus
+    Inductor's config as it was (``config.get_config_copy`` / ``config.patch``)
+    and the AOTAutograd settings of the split. ``None``: nothing to restore
+    (graphs run op by op)."""
+    if snapshot is None:
+        yield
+        return
+    from torch._guards import compile_context, tracing
+    from torch._inductor import config as inductor_config
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tracing(snapshot.tracing))
+        stack.enter_context(compile_context(snapshot.compile))
+        if snapshot.autocast:
+            stack.enter_context(torch._C._DisableAutocast())
+        stack.enter_context(inductor_config.patch(snapshot.inductor_config))
+        stack.enter_context(aot_config_for_split())
+        yield
+
+
+def shape_guard_count() -> int | None:
+    """How many guards the shape environment of the current tracing context
+    holds (``ShapeEnv.guards``), or ``None`` without one."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    mode = getattr(ctx, "fake_mode", None) if ctx is not None else None
+    env = getattr(mode, "shape_env", None) if mode is not None else None
+    return None if env is None else len(env.guards)
+
+
+def is_symbolic(value: Any) -> bool:
+    """Whether a traced value (a graph input's example) has symbolic sizes:
+    a SymInt/SymFloat/SymBool, or a tensor with a symbolic size, stride or offset."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(
+            isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride(), value.storage_offset())
+        )
+    return False
+
+
+def fake_like(tensor: torch.Tensor, examples: Sequence[Any]) -> Any:
+    """An example input laid out as the real ``tensor`` (shape, strides, dtype,
+    device), in the fake mode of ``examples`` (the traced inputs of the graph
+    it joins); ``tensor`` itself when they are real. Relies on
+    ``torch._guards.detect_fake_mode``."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(list(examples))
+    if mode is None:
+        return tensor
+    with mode:
+        return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=tensor.device)
+
+
+def _define_accumulating_matmul() -> tuple[Any, Any]:
+    """``fxsplit::addmm_into(grad, a, b)``: ``grad += a @ b`` in place (ATen's
+    ``addmm_``, one GEMM with beta = 1), as an operator of our own.
+
+    Why not ``aten.addmm_`` itself: Inductor runs an ATen op it has no
+    lowering for as an implicit fallback, and in a backward graph it makes
+    every input of such an op contiguous first (``GraphLowering.call_function``,
+    pytorch issue 140452), which copies the transposed activation gradient
+    of every weight-gradient GEMM. An operator outside ``aten`` tagged
+    ``flexible_layout`` gets its inputs as they are (``tag_to_layout_constraint``),
+    and ``addmm_`` handles transposed operands itself. Defined with
+    ``torch.library.Library`` and one ``CompositeExplicitAutograd`` kernel
+    (which also serves fake tensors) rather than ``torch.library.custom_op``:
+    W always runs it under no_grad, and custom_op's autograd and
+    ADInplaceOrView layers cost ~10x the GEMM's own dispatch on small weights.
+    Public APIs only; what relies on Inductor is the tag's meaning.
+    """
+    from torch.utils import flop_counter
+
+    lib = torch.library.Library("fxsplit", "FRAGMENT")
+    lib.define("addmm_into(Tensor(a!) grad, Tensor a, Tensor b) -> ()", tags=(torch.Tag.flexible_layout,))
+
+    def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        grad.addmm_(a, b)
+
+    lib.impl("addmm_into", addmm_into, "CompositeExplicitAutograd")
+    # FlopCounterMode counts it as the GEMM it is.
+    flop_counter.register_flop_formula(torch.ops.fxsplit.addmm_into)(
+        lambda grad_shape, a_shape, b_shape, out_shape=None, **kwargs: flop_counter.mm_flop(a_shape, b_shape)
+    )
+    return lib, torch.ops.fxsplit.addmm_into.default
+
+
+# The library object owns the registration: kept for the life of the process.
+_ADDMM_INTO_LIB, ADDMM_INTO = _define_accumulating_matmul()

@@ -15,6 +15,7 @@ stay as they were. W itself is transactional (:mod:`fxsplit.pending`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -224,6 +225,7 @@ def stage_backward_input(
     through the same graph, or compiled autograd is on and the stage has
     fxsplit regions, and ``NotImplementedError`` for ``create_graph=True``.
     """
+    t0 = time.perf_counter_ns()
     _refuse_create_graph(create_graph)
     weights = _weights_list(weights)
     outs, grads_raw = _flatten_outputs(stage_outputs_or_loss, output_grads)
@@ -235,6 +237,10 @@ def stage_backward_input(
     plan = plan_eager_weight_work(out_edges, input_nodes, weights)
     if grad_inputs:
         _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
+        # The dI/dW graphs of the regions this B splits compile on first use,
+        # here: a compile error raises before anything has run.
+        for node in plan.split_regions:
+            ti.compiled_backward_of(node).prepare_split()
 
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
@@ -286,6 +292,7 @@ def stage_backward_input(
                 v.grad += g
 
     work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
+    work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
     ran = sorted({r.region for r in call.records})
     del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
     if retain:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
@@ -302,6 +309,7 @@ def stage_backward_input(
             "fxsplit: B: dI ran compiled in %s, eager autograd for the rest; W pending: %s",
             ", ".join(ran) or "no region", work.summary(),
         )
+    work.timings["b_ns"] = time.perf_counter_ns() - t0
     return tuple(dinputs), work
 
 
@@ -332,6 +340,7 @@ def stage_backward_weight(
     retain_graph: bool = False,
     *,
     create_graph: bool = False,
+    fused_accumulation: bool | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """W: weight gradients for the microbatch ``param_groups`` came from, accumulated into ``.grad``.
 
@@ -347,6 +356,17 @@ def stage_backward_weight(
     eager graph it runs until it completes (so that a failed W can be
     repeated) and then drops its references to it, whichever the value.
 
+    ``fused_accumulation`` (keyword, fxsplit only): ``False`` hands every
+    gradient to autograd's accumulation; ``None`` (default) lets a weight
+    that already has a ``.grad`` and nothing observing its accumulation
+    (see ``fxsplit.config.fused_accumulation``) accumulate inside its
+    region's dW graph, unless the region's backend or
+    ``fxsplit.config.fused_accumulation`` turned that off; ``True``
+    ignores the config (a region's ``fused_accumulation=False`` still holds).
+    ``param_groups.accumulated_in_graph`` says which weights took that path.
+    Callers whose weights carry hooks on their grad accumulator node (DDP's
+    reducer) pass ``False``.
+
     Raises, with nothing changed, ``TypeError`` if ``param_groups`` did not
     come from :func:`stage_backward_input`, ``RuntimeError`` if W already
     completed for it (or runs in another thread, or compiled autograd is
@@ -357,10 +377,12 @@ def stage_backward_weight(
     """
     _refuse_create_graph(create_graph)
     weights = list(weights)
+    if fused_accumulation not in (None, True, False):
+        raise TypeError(f"fxsplit: fused_accumulation must be True, False or None, got {fused_accumulation!r}")
     work = _check_weight_call(weights, param_groups)
     _refuse_compiled_autograd("stage_backward_weight", work.regions_passed_through)
     message = _w_message(work) if log.isEnabledFor(logging.DEBUG) else ""
-    work.run()
+    work.run(fused_accumulation)
     if message:
         log.debug("%s", message)
     return tuple(w.grad for w in weights)

@@ -15,13 +15,15 @@ graph breaks) are not failures and pass through untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
 import logging
 import threading
+import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ import torch.fx as fx
 from fxsplit import _logging, config
 from fxsplit import _torch_internals as ti
 from fxsplit.passes import SplitResult, split_backward
+from fxsplit.passes.accumulate import accumulate_into
 from fxsplit.runtime import CompiledSplitBackward
 from fxsplit.rules import trace_split_rule
 
@@ -70,6 +73,7 @@ _GRAPHS = {
     "dI": "compiling the dI graph",
     "dW": "compiling the dW graph",
     "fused": "compiling the fused backward graph",
+    "dW+accumulate": "compiling the dW graph that accumulates into .grad",
 }
 
 
@@ -119,6 +123,19 @@ class BackendOptions:
         results wait for W; ``"all"``: every weight-gradient computation runs
         in dW, so B does none. ``None`` (default): ``fxsplit.config.defer``
         when the region compiles (``"matmuls"`` unless changed).
+    lazy_compile: compile each backward graph when first used: the fused
+        graph on the first ordinary backward, the dI/dW pair on the first
+        split backward (B). ``False`` compiles all of them with the forward.
+        Regions with symbolic sizes compile them with the forward under
+        Inductor either way (it may add shape guards, which only the frame
+        compile can install). ``None`` (default): ``fxsplit.config.lazy_compile``
+        when the region compiles (``True`` unless changed).
+    fused_accumulation: where a weight already has a ``.grad``, W adds its
+        gradient into it inside the dW graph (the GEMM accumulates) rather
+        than through autograd's accumulation, where nothing observable differs
+        (see ``fxsplit.config.fused_accumulation``). ``False``: never, for this
+        region's weights. ``None`` (default): ``fxsplit.config.fused_accumulation``
+        when W runs.
     """
 
     compiler: str = "inductor"
@@ -126,6 +143,8 @@ class BackendOptions:
     fallback: str | None = None
     inductor_config: dict[str, Any] | None = None
     defer: str | None = None
+    lazy_compile: bool | None = None
+    fused_accumulation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.compiler not in _COMPILERS:
@@ -134,6 +153,9 @@ class BackendOptions:
             raise ValueError(f"fxsplit: fallback must be one of {config.FALLBACKS} or None, got {self.fallback!r}")
         if self.defer is not None and self.defer not in config.DEFERS:
             raise ValueError(f"fxsplit: defer must be one of {config.DEFERS} or None, got {self.defer!r}")
+        for name in ("lazy_compile", "fused_accumulation"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"fxsplit: {name} must be True, False or None, got {getattr(self, name)!r}")
 
     def resolved_fallback(self) -> str:
         """The fallback mode in force now: this option, else ``fxsplit.config.fallback``."""
@@ -142,6 +164,10 @@ class BackendOptions:
     def resolved_defer(self) -> str:
         """The placement policy in force now: this option, else ``fxsplit.config.defer``."""
         return self.defer if self.defer is not None else config.current_defer()
+
+    def resolved_lazy_compile(self) -> bool:
+        """Whether graphs compile on first use: this option, else ``fxsplit.config.lazy_compile``."""
+        return self.lazy_compile if self.lazy_compile is not None else config.current("lazy_compile")
 
 
 # Every live region compiled in this process, for inspection, oldest first.
@@ -230,6 +256,168 @@ def _weight_outputs(bw: fx.GraphModule, is_param: Sequence[bool]) -> list[int]:
     return [i for i, idx in enumerate(grad_of) if idx is not None and idx < len(is_param) and is_param[idx]]
 
 
+class _RegionGraphs:
+    """The dI, dW, fused and accumulating dW graphs of one region, compiled on
+    demand (:class:`fxsplit.runtime.RegionGraphs`).
+
+    A deferred compile runs in the context the region's other graphs were
+    compiled in, captured while Dynamo compiled the frame, as AOTAutograd's
+    own lazy backward compile does (``_AutogradBackwardCompiler.get_or_compile``):
+    the ``TracingContext`` (fake mode, shape environment), the
+    ``CompileContext`` (compile id), autocast off if the region was traced
+    under autocast, the AOTAutograd settings of the split, and a snapshot of
+    Inductor's config, so the result is the compile that would have happened
+    then. A compile that would add shape guards cannot have them checked any
+    more (Dynamo installed the frame's guards already): it is refused like a
+    failed compile. Such regions (symbolic sizes under Inductor) are therefore
+    compiled when the frame compiles (see ``_compile_split_backward``).
+
+    A failed compile raises :class:`FxsplitCompileError` (``fallback="error"``)
+    or, after one warning, runs that graph uncompiled, op by op: the region
+    stays split, so B and W are still correct.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        opts: BackendOptions,
+        mode: str,
+        bw: fx.GraphModule,
+        split: SplitResult,
+        example_inputs: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.compile_seconds: dict[str, float] = {}
+        self._opts = opts
+        self._mode = mode
+        self._inner = _inner_compile_for(opts)
+        self._bw = bw
+        self._split = split
+        self._examples = list(example_inputs)
+        self._kwargs = kwargs
+        self._static = set(kwargs.get("static_input_idxs") or ())
+        self._split_kwargs = dict(kwargs)
+        if opts.compiler == "inductor":
+            self._split_kwargs["cudagraphs"] = ti.no_cudagraphs()
+        self._context = ti.capture_compile_context() if opts.compiler == "inductor" else None
+        self._run_di: ti.BoxedCallable | None = None
+        self._dw_examples: list[Any] | None = None
+        self._dw_static: list[int] = []
+        # Set while the frame compiles: a failure then is the whole region's
+        # (it runs eagerly), not one graph's.
+        self.frame_build: _RegionBuild | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the backward has symbolic sizes (its inputs carry SymInts)."""
+        return any(ti.is_symbolic(e) for e in self._examples)
+
+    @contextlib.contextmanager
+    def _compiling(self) -> Iterator[None]:
+        """The context of a compile: the frame compile's own while it runs,
+        else the one captured then. Refuses a later compile that adds shape
+        guards (Dynamo could no longer check them)."""
+        if self.frame_build is not None or self._context is None:
+            yield
+            return
+        with ti.restored_compile_context(self._context):
+            before = ti.shape_guard_count()
+            yield
+            added = ti.shape_guard_count()
+            if before is not None and added is not None and added > before:
+                raise RuntimeError(
+                    f"compiling it after the frame compile added {added - before} shape guard(s) Dynamo cannot "
+                    "check any more; compile with lazy_compile=False"
+                )
+
+    def compile(self, kind: str) -> ti.BoxedCallable:
+        frame = self.frame_build
+        if frame is not None:
+            frame.graph = kind  # a failure during the frame compile is the region's (see _compile_region)
+        try:
+            with self._compiling():
+                t0 = time.perf_counter()
+                fn = {"dI": self._compile_di, "dW": self._compile_dw, "fused": self._compile_fused}[kind]()
+                self.compile_seconds[kind] = time.perf_counter() - t0
+            return fn
+        except Exception as e:
+            if frame is not None:
+                raise
+            _fall_back(_RegionBuild(self.name, kind), e, self._mode, consequence="graph")
+            gm = {"dI": self._split.di_graph, "dW": self._split.dw_graph, "fused": self._bw}[kind]
+            return ti.boxed(gm.forward)
+
+    def _compile_di(self) -> ti.BoxedCallable:
+        di_gm = self._split.di_graph
+        ti.mark_user_visible_outputs(di_gm, range(len(self._split.di_outputs)))
+        self._run_di = self._inner(
+            di_gm, list(self._examples), **{**self._split_kwargs, "static_input_idxs": sorted(self._static)}
+        )
+        return self._run_di
+
+    def _dw_inputs(self) -> tuple[list[Any], list[int]]:
+        """Example inputs of the dW graph (as compiled dI lays its live-ins out) and its static inputs."""
+        if self._dw_examples is None:
+            split = self._split
+            placeholders = [n for n in self._bw.graph.nodes if n.op == "placeholder"]
+            di_strides = (
+                ti.compiled_output_strides(self._run_di)
+                if self._opts.compiler == "inductor" and self._run_di is not None
+                else None
+            )
+            index_of = {p.name: k for k, p in enumerate(placeholders)}
+            dw_placeholders = split.dw_graph.graph.find_nodes(op="placeholder")
+            examples: list[Any] = []
+            static: list[int] = []
+            for k, live in enumerate(split.live_ins):
+                if live.source == "input":
+                    examples.append(self._examples[index_of[live.name]])
+                    if index_of[live.name] in self._static:
+                        static.append(k)
+                else:
+                    # dW receives this live-in as compiled dI lays it out (Inductor may
+                    # pick e.g. channels-last for a conv gradient), not as traced. A
+                    # SymInt live-in is its traced value: an expression of the same
+                    # shape environment, bound by the SymInt live-ins beside it.
+                    stride = di_strides[len(split.di_outputs) + k] if di_strides else None
+                    examples.append(ti.with_strides(dw_placeholders[k].meta["val"], stride))
+            self._dw_examples, self._dw_static = examples, static
+        return self._dw_examples, self._dw_static
+
+    def _compile_dw(self) -> ti.BoxedCallable:
+        examples, static = self._dw_inputs()
+        dw_gm = self._split.dw_graph
+        ti.mark_user_visible_outputs(dw_gm, range(len(self._split.dw_outputs)))
+        return self._inner(dw_gm, list(examples), **{**self._split_kwargs, "static_input_idxs": static})
+
+    def _compile_fused(self) -> ti.BoxedCallable:
+        return self._inner(self._bw, list(self._examples), **self._kwargs)
+
+    def compile_accumulating(
+        self, positions: tuple[int, ...], grads: Sequence[torch.Tensor]
+    ) -> ti.BoxedCallable | None:
+        if self._opts.compiler == "inductor" and self.dynamic:
+            return None  # its shape guards could not be installed any more (see the class docstring)
+        build = _RegionBuild(self.name, "dW+accumulate")
+        try:
+            with self._compiling():
+                t0 = time.perf_counter()
+                gm = accumulate_into(self._split.dw_graph, positions, matmul_into=ti.ADDMM_INTO)
+                examples, static = self._dw_inputs()
+                examples = list(examples) + [ti.fake_like(g, examples) for g in grads]
+                outs = self._split.dw_outputs
+                ti.mark_user_visible_outputs(gm, [k for k in range(len(outs)) if k not in positions])
+                fn = self._inner(gm, examples, **{**self._split_kwargs, "static_input_idxs": static})
+                self.compile_seconds["dW+accumulate"] = (
+                    self.compile_seconds.get("dW+accumulate", 0.0) + time.perf_counter() - t0
+                )
+            return fn
+        except Exception as e:
+            _fall_back(build, e, self._mode, consequence="accumulate")
+            return None
+
+
 def _compile_split_backward(
     bw: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -240,7 +428,6 @@ def _compile_split_backward(
     build: _RegionBuild,
 ) -> CompiledSplitBackward:
     name = build.name
-    inner = _inner_compile_for(opts)
     build.graph = "split"
     split = split_backward(bw, _weight_outputs(bw, is_param), rule=trace_split_rule, defer=opts.resolved_defer())
     ti.declare_no_donated_buffers()
@@ -248,49 +435,34 @@ def _compile_split_backward(
     _report_weight_work_in_di(name, split)
     _logging.publish_split(name, split)  # fxsplit_graphs artifact and structured trace
 
-    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    static = set(kwargs.get("static_input_idxs") or ())
-    split_kwargs = dict(kwargs)
-    if opts.compiler == "inductor":
-        split_kwargs["cudagraphs"] = ti.no_cudagraphs()
-
-    build.graph = "dI"
-    di_gm = split.di_graph
-    ti.mark_user_visible_outputs(di_gm, range(len(split.di_outputs)))
-    run_di = inner(di_gm, list(example_inputs), **{**split_kwargs, "static_input_idxs": sorted(static)})
-
-    build.graph = "dW"
-    di_strides = ti.compiled_output_strides(run_di) if opts.compiler == "inductor" else None
-    index_of = {p.name: k for k, p in enumerate(placeholders)}
-    dw_placeholders = split.dw_graph.graph.find_nodes(op="placeholder")
-    dw_examples: list[Any] = []
-    dw_static: list[int] = []
-    for k, live in enumerate(split.live_ins):
-        if live.source == "input":
-            dw_examples.append(example_inputs[index_of[live.name]])
-            if index_of[live.name] in static:
-                dw_static.append(k)
-        else:
-            # dW receives this live-in as compiled dI lays it out (Inductor may
-            # pick e.g. channels-last for a conv gradient), not as traced. A
-            # SymInt live-in is its traced value: an expression of the same
-            # shape environment, bound by the SymInt live-ins beside it.
-            stride = di_strides[len(split.di_outputs) + k] if di_strides else None
-            dw_examples.append(ti.with_strides(dw_placeholders[k].meta["val"], stride))
-    dw_gm = split.dw_graph
-    ti.mark_user_visible_outputs(dw_gm, range(len(split.dw_outputs)))
-    run_dw = inner(dw_gm, dw_examples, **{**split_kwargs, "static_input_idxs": dw_static})
-
-    build.graph = "fused"
-    run_fused = inner(bw, list(example_inputs), **kwargs) if opts.fused_backward else None
-    region = CompiledSplitBackward(split, run_di, run_dw, run_fused, name=name, input_is_tensor=is_tensor)
+    graphs = _RegionGraphs(name, opts, opts.resolved_fallback(), bw, split, example_inputs, kwargs)
+    region = CompiledSplitBackward(
+        split,
+        graphs,
+        name=name,
+        input_is_tensor=is_tensor,
+        fused_backward=opts.fused_backward,
+        fused_accumulation=opts.fused_accumulation,
+    )
+    # Compile every graph now when a later compile could not be trusted:
+    # Inductor may add shape guards while compiling a graph with symbolic
+    # sizes, and only a compile inside the frame's compile gets them installed
+    # (AOTAutograd compiles such backwards eagerly for the same reason).
+    eager = not opts.resolved_lazy_compile() or (opts.compiler == "inductor" and graphs.dynamic)
+    if eager:
+        graphs.frame_build = build
+        try:
+            region.compile("dI", "dW", *(("fused",) if opts.fused_backward else ()))
+        finally:
+            graphs.frame_build = None
     _REGIONS[next(_region_serials)] = region
     log.info(
         "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins "
-        "holding %s bytes%s",
+        "holding %s bytes%s%s",
         name, opts.compiler, len(split.di_outputs), len(split.dw_outputs), len(split.live_ins),
         split.live_in_bytes_expr,
         " (first stage: dI runs the activation-gradient chain)" if split.mode == "first_stage" else "",
+        "" if eager else "; its backward graphs compile on first use",
     )
     build.graph = "aot"  # what remains is AOTAutograd's wrapping
     return region
@@ -315,23 +487,33 @@ def _compile_region(
         return ti.compile_fx(gm, example_inputs, inner_compile)
 
 
-def _fall_back(build: _RegionBuild, e: Exception, mode: str) -> None:
+# What a fallback does, by what failed: the whole region at frame compile, one
+# graph compiled on first use, or the dW graph that accumulates into .grad.
+_CONSEQUENCES = {
+    "region": "running the region eagerly, where the eager split applies",
+    "graph": "running that graph uncompiled, op by op (the region is still split)",
+    "accumulate": "accumulating those gradients through autograd instead",
+}
+
+
+def _fall_back(build: _RegionBuild, e: Exception, mode: str, consequence: str = "region") -> None:
     """Raise :class:`FxsplitCompileError` (``mode == "error"``) or record the
     fallback and log one short warning; the full traceback goes to DEBUG."""
     record = FallbackRecord(build.name, build.graph, type(e).__name__, _first_line(e), ti.dynamo_compile_id())
+    what = _CONSEQUENCES[consequence]
     if mode == "error":
         raise FxsplitCompileError(
-            f"fxsplit: {record}. fallback='eager' would run the region eagerly instead",
+            f"fxsplit: {record}. fallback='eager' would be {what} instead",
             region=build.name,
             graph=build.graph,
         ) from e
     with _REPORT_LOCK:
         _FALLBACKS.append(record)
     log.warning(
-        "fxsplit: %s; running the region eagerly, where the eager split applies. "
+        "fxsplit: %s; %s. "
         "See fxsplit.fallbacks(); the full traceback is logged at DEBUG level on the 'fxsplit' "
         "logger; fallback='error' raises instead.",
-        record,
+        record, what,
     )
     log.debug("fxsplit: %s failed", build.name, exc_info=e)
 

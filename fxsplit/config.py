@@ -8,7 +8,25 @@
   ``FXSPLIT_FALLBACK`` (``eager`` when unset), so child processes (torchrun,
   multiprocessing) inherit it.
 
-Read at compile time, so a change applies to regions compiled afterwards::
+* ``lazy_compile``: compile each backward graph of a region when it is first
+  used (the fused graph on the first ordinary backward, the dI/dW pair on the
+  first B) rather than all with the forward. Read when a region compiles;
+  ``FXSPLIT_LAZY_COMPILE=0`` turns it off. Default ``True``.
+* ``fused_accumulation``: where a weight already has a ``.grad``, W adds the
+  gradient into it inside the compiled dW graph (one GEMM that accumulates)
+  instead of handing it to autograd's accumulation. Only for weights where
+  nothing observable differs: no tensor hooks or post-accumulate-grad hooks,
+  ``.grad`` a plain dense tensor of the gradient's dtype, device and the
+  layout the graph was compiled for, not requiring grad, ``grad_dtype`` unset
+  or equal, and the weight's gradient coming from that one region only.
+  Hooks registered on a weight's grad *accumulator node* (C++ post hooks such
+  as DDP's reducer, or ``node.register_hook`` in Python) cannot be seen from
+  Python: turn this off for such weights (``fxsplit.pipelining.PipelineStage``
+  does so for DDP-wrapped stages). Read when W runs;
+  ``FXSPLIT_FUSED_ACCUMULATION=0`` turns it off. Default ``True``.
+
+``fallback``, ``defer`` and ``lazy_compile`` are read when a region compiles, so a change
+applies to regions compiled afterwards::
 
     fxsplit.config.fallback = "error"           # from now on
     with fxsplit.config.patch(fallback="error"):  # for a block
@@ -25,23 +43,44 @@ from typing import Any
 
 from fxsplit.passes.placement import DEFER_MODES
 
-__all__ = ["DEFERS", "FALLBACKS", "defer", "fallback", "patch"]
+__all__ = ["DEFERS", "FALLBACKS", "current", "defer", "fallback", "fused_accumulation", "lazy_compile", "patch"]
 
 FALLBACKS = ("eager", "error")
 DEFERS = DEFER_MODES
 
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
 fallback: str = os.environ.get("FXSPLIT_FALLBACK", "eager")
 defer: str = os.environ.get("FXSPLIT_DEFER", "matmuls")
+lazy_compile: bool = _env_flag("FXSPLIT_LAZY_COMPILE", True)
+fused_accumulation: bool = _env_flag("FXSPLIT_FUSED_ACCUMULATION", True)
 
-_CHOICES = {"fallback": FALLBACKS, "defer": DEFERS}
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "fallback": FALLBACKS,
+    "defer": DEFERS,
+    "lazy_compile": (True, False),
+    "fused_accumulation": (True, False),
+}
 
 
 def _check(name: str, value: Any) -> None:
     choices = _CHOICES.get(name)
     if choices is None:
         raise AttributeError(f"fxsplit.config has no option {name!r} (options: {', '.join(_CHOICES)})")
-    if value not in choices:
+    if not any(value is c or (isinstance(c, str) and value == c) for c in choices):
         raise ValueError(f"fxsplit.config.{name} must be one of {choices}, got {value!r}")
+
+
+def current(name: str) -> Any:
+    """The value of option ``name`` now, validated (it may come from the
+    environment or a plain assignment)."""
+    value = getattr(sys.modules[__name__], name) if name in _CHOICES else None
+    _check(name, value)
+    return value
 
 
 def current_fallback() -> str:

@@ -5,8 +5,14 @@ live-ins, the gradients B saved at eager intermediates, the dI values B
 handed over, the output gradients of outputs whose backward is all weight
 work). :meth:`PendingWeightGrads.run` is W:
 
-1. **compute**: every compiled dW graph runs on its live-ins. Pure: nothing a
-   user can observe changes, and on an exception everything is still held.
+1. **compute**: every compiled dW graph that does not accumulate into
+   ``.grad`` runs on its live-ins. Pure: nothing a user can observe changes,
+   and on an exception everything is still held.
+1b. **accumulate in the graph** (fused accumulation): for a region whose
+   weights already have a ``.grad`` that nothing observes being accumulated
+   (:func:`accumulates_like_autograd`), a dW variant adds their gradients into
+   ``.grad`` in place. Running it is the commit of those weights: they count
+   as accumulated once it starts, also if it raises.
 2. **commit**: :func:`commit_weight_grads`, the one place where W changes
    ``.grad``. Each call is one autograd engine call, as
    ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -37,10 +44,11 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from fxsplit import _torch_internals as ti
+from fxsplit import config
 from fxsplit.fallback import EagerWeightPlan
 from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, registered
 
-__all__ = ["EagerGroup", "PendingWeightGrads", "WeightCommit", "commit_weight_grads"]
+__all__ = ["EagerGroup", "PendingWeightGrads", "WeightCommit", "accumulates_like_autograd", "commit_weight_grads"]
 
 
 def _nbytes(tensors: Any) -> int:
@@ -140,6 +148,53 @@ def commit_weight_grads(commit: WeightCommit, committed: set[int]) -> None:
                 committed.add(k)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory exactly once (no overlap, no
+    gaps) in some order of its dimensions, as a transposed ``.grad`` does and
+    an expanded one does not."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def accumulates_like_autograd(
+    weight: torch.Tensor, grad_dtype: torch.dtype | None, avoid: set[int] = frozenset()  # type: ignore[assignment]
+) -> bool:
+    """Whether adding a gradient of dtype ``grad_dtype`` into ``weight.grad``
+    in place, inside a compiled graph, is what autograd's accumulation would
+    do, with nothing else to observe.
+
+    Autograd adds into an existing dense ``.grad`` in place (no grad mode).
+    What it does besides, and fused accumulation would skip, is visible from
+    Python for: tensor hooks and post-accumulate-grad hooks (then no), a
+    ``grad_dtype`` cast, a ``.grad`` of another dtype, device, shape or
+    layout, a sparse, subclass, grad-requiring or overlapping (expanded)
+    ``.grad``, a subclass weight. ``avoid``: storages (by data pointer) the compiled graph also
+    reads, which ``.grad`` must not share. Hooks on the weight's grad
+    accumulator node are invisible here (see ``fxsplit.config.fused_accumulation``).
+    """
+    g = weight.grad
+    return (
+        g is not None
+        and grad_dtype is not None
+        and type(g) is torch.Tensor
+        and type(weight) in (torch.nn.Parameter, torch.Tensor)
+        and g.layout == torch.strided
+        and not g.requires_grad
+        and g.dtype == grad_dtype
+        and g.device == weight.device
+        and g.shape == weight.shape
+        and _dense(g)
+        and not weight._backward_hooks
+        and not getattr(weight, "_post_accumulate_grad_hooks", None)
+        and getattr(weight, "grad_dtype", None) in (None, g.dtype)
+        and g.untyped_storage().data_ptr() not in avoid
+    )
+
+
 class ParamGroup(Mapping[str, Any]):
     """One group of ``param_groups`` as upstream's ``stage_backward_input`` returns it:
     ``"params"`` (the weights' grad-accumulator nodes), ``"intermediates"``
@@ -201,6 +256,15 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     It holds only what W needs: the live-ins of each compiled region
     (``compiled``) and, per eager group, the saved gradients and hand-over
     values (``groups``). W drops all of it.
+
+    Inspection: ``timings`` holds nanoseconds of host clock
+    (``time.perf_counter_ns``) summed over B and every W call: ``b_ns`` B in
+    all, ``b_graph_ns`` the part inside compiled dI graphs; ``w_ns`` W in all,
+    ``w_graph_ns`` the part inside dW graphs (accumulating ones included),
+    ``w_commit_ns`` the part in autograd's commit calls (eager W work and
+    accumulation). Host time outside the graphs is ``b_ns - b_graph_ns`` and
+    ``w_ns - w_graph_ns``. ``accumulated_in_graph`` lists the positions (in
+    ``weights``) of the weights W accumulated inside a dW graph.
     """
 
     def __init__(
@@ -226,6 +290,14 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self._anchors: list[Any] = []
         self._lock = threading.Lock()
         self.done = False
+        # Nanoseconds, for the benchmark: B's total and the part inside the
+        # compiled dI graphs (set by stage_backward_input); W's total, the
+        # part inside dW graphs and the part in the commit's autograd calls.
+        # Time outside the graphs = total - graph.
+        self.timings = {"b_ns": 0, "b_graph_ns": 0, "w_ns": 0, "w_graph_ns": 0, "w_commit_ns": 0}
+        # Positions (in ``weights``) of the weights W accumulated into .grad
+        # inside a dW graph rather than through autograd (for inspection).
+        self.accumulated_in_graph: list[int] = []
 
     @classmethod
     def from_b(
@@ -396,8 +468,12 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         return f"PendingWeightGrads({self.summary()})"
 
     # -- W -------------------------------------------------------------------------
-    def run(self) -> None:
-        """W: compute every gradient, then commit through autograd (see the module docstring).
+    def run(self, fused_accumulation: bool | None = None) -> None:
+        """W: compute every gradient, then commit (see the module docstring).
+
+        ``fused_accumulation``: ``False`` commits every gradient through
+        autograd; ``None`` lets each region's option, else
+        ``fxsplit.config.fused_accumulation``, decide.
 
         Raises ``RuntimeError`` if W already completed or is running in
         another thread. Any exception from the dW graphs or the commit leaves
@@ -410,8 +486,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 raise RuntimeError(
                     "fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B"
                 )
+            t0 = time.perf_counter_ns()
             try:
-                self._compute_and_commit()
+                self._compute_and_commit(fused_accumulation)
             except BaseException as e:
                 if hasattr(e, "add_note"):
                     e.add_note(
@@ -420,21 +497,80 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                         "param_groups to stage_backward_weight again to finish it"
                     )
                 raise
+            finally:
+                self.timings["w_ns"] += time.perf_counter_ns() - t0
             self._release()
         finally:
             self._lock.release()
 
-    def _compute_and_commit(self) -> None:
+    def _fusable(self, wanted: set[int], switch: bool | None) -> dict[int, tuple[int, ...]]:
+        """For each compiled record (by index), the dW output positions whose
+        gradient W may add into ``.grad`` inside the dW graph: where the
+        region allows it, the weight's gradient comes from that record only,
+        and accumulating in place cannot differ from autograd's accumulation
+        (:func:`accumulates_like_autograd`)."""
+        if switch is False or not self.compiled:
+            return {}
+        default = config.current("fused_accumulation") if switch is None else True
+        sources: dict[int, int] = {}
+        for record in self.compiled:
+            for p in record.weights:
+                sources[id(p)] = sources.get(id(p), 0) + 1
+        for group in self.groups:
+            for w in group.weights:
+                sources[id(w)] = sources.get(id(w), 0) + 1
+        result: dict[int, tuple[int, ...]] = {}
+        for i, record in enumerate(self.compiled):
+            allowed = record.owner.fused_accumulation
+            if allowed is False or (allowed is None and not default):
+                continue
+            live = record.live_in_storages()
+            dtypes = record.owner.dw_output_dtypes
+            positions = tuple(
+                k
+                for k, p in enumerate(record.params)
+                if p is not None
+                and id(p) in wanted
+                and sources.get(id(p)) == 1
+                and accumulates_like_autograd(p, dtypes[k] if k < len(dtypes) else None, live)
+            )
+            if positions:
+                result[i] = positions
+        return result
+
+    def _compute_and_commit(self, fused_accumulation: bool | None = None) -> None:
         wanted = {id(w) for w in self._weights if w.requires_grad and id(w) not in self._committed}
+        # 0. the dW graphs that accumulate into .grad, compiled on first use:
+        # a compile error here changes nothing.
+        accumulating: dict[int, tuple[ti.BoxedCallable, tuple[int, ...]]] = {}
+        for i, positions in self._fusable(wanted, fused_accumulation).items():
+            record = self.compiled[i]
+            graph = record.owner.accumulating_graph(positions, [record.params[k].grad for k in positions])
+            if graph is not None:
+                accumulating[i] = (graph, positions)
         # 1. compute: pure, so an exception here changes nothing.
         compiled: dict[int, list[torch.Tensor]] = {}
         by_id: dict[int, tuple[torch.Tensor, Node]] = {}
-        for record in self.compiled:
-            if any(id(p) in wanted for p in record.weights):
-                for p, acc, g in record.compute(wanted):
+        for i, record in enumerate(self.compiled):
+            if i not in accumulating and any(id(p) in wanted for p in record.weights):
+                for p, acc, g in record.compute(wanted, self.timings):
                     compiled.setdefault(id(p), []).append(g)
                     by_id[id(p)] = (p, acc)
-        # 2. one commit per eager group (with the compiled gradients of its
+        # 2. accumulate inside the dW graphs: each graph's run is the commit of
+        # its fused weights (they count as accumulated once it starts, as an
+        # interrupted ordinary backward leaves .grad), and computes the rest.
+        for i, (graph, positions) in accumulating.items():
+            record = self.compiled[i]
+            fused_ids = {id(record.params[k]) for k in positions}
+            try:
+                rest = record.accumulate(graph, positions, wanted - fused_ids, self.timings)
+            finally:
+                self._committed.update(fused_ids)
+                self.accumulated_in_graph.extend(k for k, w in enumerate(self._weights) if id(w) in fused_ids)
+            for p, acc, g in rest:
+                compiled.setdefault(id(p), []).append(g)
+                by_id[id(p)] = (p, acc)
+        # 3. one commit per eager group (with the compiled gradients of its
         # weights), then one for the weights only compiled regions reach.
         commits: list[WeightCommit] = []
         for group in self.groups:
@@ -450,22 +586,26 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 commits.append(
                     WeightCommit(roots, values, [w for w, _ in chosen], [a for _, a in chosen], group.pins())
                 )
-        rest = [by_id[k] for k in compiled]
-        if rest:
+        rest_weights = [by_id[k] for k in compiled]
+        if rest_weights:
             roots = []
             values = []
-            for w, acc in rest:
+            for w, acc in rest_weights:
                 # Several regions' gradients for one weight: several roots on the
                 # same edge, which the engine sums (casting each to grad_dtype first).
                 for g in compiled.pop(id(w)):
                     roots.append(GradientEdge(acc, 0))
                     values.append(g)
-            commits.append(WeightCommit(roots, values, [w for w, _ in rest], [a for _, a in rest]))
+            commits.append(WeightCommit(roots, values, [w for w, _ in rest_weights], [a for _, a in rest_weights]))
         del compiled, by_id
         blocked = [n for n in (r() for r in self._split_regions) if n is not None]
-        with registered(blocked, SPLIT_DONE):
-            while commits:
-                commit_weight_grads(commits.pop(0), self._committed)
+        t0 = time.perf_counter_ns()
+        try:
+            with registered(blocked, SPLIT_DONE):
+                while commits:
+                    commit_weight_grads(commits.pop(0), self._committed)
+        finally:
+            self.timings["w_commit_ns"] += time.perf_counter_ns() - t0
 
     def _release(self) -> None:
         for record in self.compiled:

@@ -239,7 +239,11 @@ class PipelineStage(_UpstreamPipelineStage):
                 self._split_weights(),
             )
         if backward_type == "weight":
-            stage_backward_weight(self._split_weights(), bwd_kwargs["param_groups"])
+            # Data-parallel wrappers observe accumulation through hooks on the grad
+            # accumulators (DDP's reducer: C++ hooks Python cannot see), so their
+            # weights accumulate through autograd, never inside a dW graph.
+            fused = False if self._data_parallel is not None else None
+            stage_backward_weight(self._split_weights(), bwd_kwargs["param_groups"], fused_accumulation=fused)
             return (), None
         raise ValueError(
             f"fxsplit.pipelining.PipelineStage: unknown backward type {backward_type!r}; "

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,11 +46,14 @@ __all__ = [
     "CompiledWeightWork",
     "DeferredGrad",
     "InputCall",
+    "RegionGraphs",
     "registered",
 ]
 
 # The attribute a node carries while a split backward call is registered on it.
 _CALL_ATTR = "_fxsplit_split_call"
+# Accumulating dW variants compiled per region, at most (see accumulating_graph).
+_MAX_VARIANTS = 8
 
 
 class DeferredGrad:
@@ -78,7 +83,7 @@ class InputCall:
     pass through it). Without a retained graph the engine frees them.
     """
 
-    __slots__ = ("weight_ids", "records", "deferred", "release_saved", "keep")
+    __slots__ = ("weight_ids", "records", "deferred", "release_saved", "keep", "timings")
 
     def __init__(self, weight_ids: Iterable[int], release_saved: bool = False, keep: Iterable[Any] = ()) -> None:
         self.weight_ids = frozenset(weight_ids)
@@ -86,6 +91,8 @@ class InputCall:
         self.deferred: list[DeferredGrad] = []
         self.release_saved = release_saved
         self.keep = frozenset(keep)
+        # Time inside the dI graphs this call ran ("b_graph_ns").
+        self.timings: dict[str, int] = {}
 
 
 class _SplitDone:
@@ -130,8 +137,9 @@ class CompiledWeightWork:
     Holds only the live-ins and the parameters the gradients belong to (those
     given to B; ``None`` in the other positions), so everything else the
     backward needed is freed when B ends. :meth:`compute` is pure and may be
-    called again (a retried W); :meth:`release` drops the live-ins once W has
-    committed the gradients.
+    called again (a retried W); :meth:`accumulate` adds some gradients into
+    ``.grad`` inside the dW graph (that *is* their commit); :meth:`release`
+    drops the live-ins once W has committed the gradients.
     """
 
     __slots__ = ("_owner", "_live_ins", "params", "accumulators")
@@ -155,6 +163,10 @@ class CompiledWeightWork:
         return self._owner.name
 
     @property
+    def owner(self) -> CompiledSplitBackward:
+        return self._owner
+
+    @property
     def live_in_bytes(self) -> int:
         return sum(
             v.numel() * v.element_size() for v in (self._live_ins or []) if isinstance(v, torch.Tensor)
@@ -169,67 +181,248 @@ class CompiledWeightWork:
         """The weights (given to B) this region computes gradients for."""
         return [p for p in self.params if p is not None]
 
-    def compute(self, wanted: set[int] | None = None) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
-        """Run the dW graph; ``(weight, grad accumulator, grad)`` for the weights
-        whose ``id`` is in ``wanted`` (all when ``None``). Changes nothing
-        observable: the live-ins stay held until :meth:`release`."""
+    def _check(self) -> list[Any]:
         if self._live_ins is None:
             raise RuntimeError(f"fxsplit: the W work of {self.region} has already been committed")
-        # Pass a copy: compiled graphs clear their argument list.
-        grads = self._owner.run_dw(list(self._live_ins))
-        self._owner.stats["dw_runs"] += 1
+        return self._live_ins
+
+    def _select(self, grads: Sequence[Any], wanted: set[int] | None) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
         return [
             (p, acc, g)
             for p, acc, g in zip(self.params, self.accumulators, grads)
             if p is not None and g is not None and (wanted is None or id(p) in wanted)
         ]
 
+    def compute(
+        self, wanted: set[int] | None = None, timings: dict[str, int] | None = None
+    ) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+        """Run the dW graph; ``(weight, grad accumulator, grad)`` for the weights
+        whose ``id`` is in ``wanted`` (all when ``None``). Changes nothing
+        observable: the live-ins stay held until :meth:`release`. The time
+        inside the graph is added to ``timings["w_graph_ns"]``."""
+        # Pass a copy: compiled graphs clear their argument list.
+        grads = self._owner.run_dw(list(self._check()), timings)
+        return self._select(grads, wanted)
+
+    def accumulate(
+        self,
+        graph: ti.BoxedCallable,
+        positions: Sequence[int],
+        wanted: set[int] | None = None,
+        timings: dict[str, int] | None = None,
+    ) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+        """Run ``graph``, the dW graph accumulating its outputs at ``positions``
+        into those weights' ``.grad`` (:meth:`CompiledSplitBackward.accumulating_graph`),
+        and return the other gradients as :meth:`compute` does. Not pure: once
+        called, the weights at ``positions`` count as accumulated."""
+        grads = [self.params[k].grad for k in positions]  # type: ignore[union-attr]
+        outs = self._owner.run_dw_accumulating(graph, list(self._check()) + grads, timings)
+        # In-place writes of compiled kernels do not bump the version counter
+        # that autograd's own in-place accumulation bumps.
+        torch.autograd.graph.increment_version(grads)
+        return self._select(outs, wanted)
+
+    def live_in_storages(self) -> set[int]:
+        """Data pointers of the live-ins' storages (a ``.grad`` sharing one must
+        not be written inside the graph that reads it)."""
+        return {v.untyped_storage().data_ptr() for v in self._live_ins or () if isinstance(v, torch.Tensor)}
+
     def release(self) -> None:
         self._live_ins = None
+
+
+class RegionGraphs(Protocol):
+    """The graphs of one region, compiled on demand (the backend provides them).
+
+    ``compile(kind)`` compiles ``"dI"``, ``"dW"`` (after dI: it reads dI's
+    output layout) or ``"fused"`` and returns it (boxed); a failure either
+    raises :class:`~fxsplit.FxsplitCompileError` or, after one warning,
+    returns the graph uncompiled. ``compile_accumulating(positions, grads)``
+    returns the dW graph that accumulates its outputs at ``positions`` into
+    tensors laid out as ``grads``, or ``None`` where it cannot be built.
+    ``compile_seconds`` records the time each compile took.
+    """
+
+    compile_seconds: dict[str, float]
+
+    def compile(self, kind: str) -> ti.BoxedCallable: ...
+
+    def compile_accumulating(
+        self, positions: tuple[int, ...], grads: Sequence[torch.Tensor]
+    ) -> ti.BoxedCallable | None: ...
 
 
 class CompiledSplitBackward:
     """The backward of one fxsplit-compiled region, as AOTAutograd calls it.
 
-    ``run_di(args)`` returns the dI outputs followed by the live-ins;
-    ``run_dw(live_ins)`` the weight gradients; ``run_fused(args)`` (optional)
-    the whole backward. All three follow AOTAutograd's boxed convention.
+    ``_run_di(args)`` returns the dI outputs followed by the live-ins;
+    ``_run_dw(live_ins)`` the weight gradients; ``_run_fused(args)`` the whole
+    backward. All follow AOTAutograd's boxed convention. Each graph is
+    compiled when first used (unless the backend compiled it already):
+    ordinary backward compiles the fused graph only, B the dI/dW pair only
+    (:meth:`prepare_split`, before B's autograd call, so a compile error
+    raises before anything runs).
+
+    Inspection: ``stats`` counts graph runs (``fused_runs``, ``di_runs``,
+    ``dw_runs``; a dW run that accumulates into ``.grad`` counts as a dW run
+    and also in ``accumulating_runs``), ``graph_ns`` the time spent inside
+    each kind of graph, ``compile_seconds`` the time each compile took.
     """
 
     def __init__(
         self,
         split: SplitResult,
-        run_di: ti.BoxedCallable,
-        run_dw: ti.BoxedCallable,
-        run_fused: ti.BoxedCallable | None,
+        graphs: RegionGraphs,
         name: str,
         input_is_tensor: Sequence[bool] | None = None,
+        fused_backward: bool = True,
+        fused_accumulation: bool | None = None,
     ) -> None:
         # An instance attribute, so wrappers that copy __dict__ (torch._dynamo.disable) keep it.
         self._boxed_call = True
         self.split = split
-        self._run_di = run_di
-        self._run_dw = run_dw
-        self._run_fused = run_fused
+        self.graphs = graphs
         self.name = name
+        self.fused_backward = fused_backward
+        # None: fxsplit.config.fused_accumulation decides at W; False: never.
+        self.fused_accumulation = fused_accumulation
         # Which forward inputs are tensors: the autograd node has an edge per
         # tensor input only, while the backward returns one output per input
         # (None for SymInts, e.g. with dynamic shapes).
         self.input_is_tensor = tuple(input_is_tensor) if input_is_tensor is not None else None
         self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
+        self.accumulating_runs = 0
+        self.graph_ns = {"fused": 0, "dI": 0, "dW": 0}
+        self._lock = threading.Lock()
+        self._compiled: dict[Any, ti.BoxedCallable | None] = {}
+        # Callables that tools and tests put in place of a graph (see _run_di).
+        self._replaced: dict[str, ti.BoxedCallable] = {}
+        out_vals = [n.meta.get("val") for n in split.dw_graph.graph.output_node().args[0]
+                    if isinstance(n, torch.fx.Node)] if split.dw_outputs else []
+        # The dtype of each dW output (None where unknown): .grad must match
+        # for the gradient to be accumulated inside the graph.
+        self.dw_output_dtypes: tuple[torch.dtype | None, ...] = tuple(
+            v.dtype if isinstance(v, torch.Tensor) else None for v in out_vals
+        ) if len(out_vals) == len(split.dw_outputs) else (None,) * len(split.dw_outputs)
 
     def __repr__(self) -> str:
         return f"<CompiledSplitBackward {self.name} stats={self.stats}>"
 
+    @property
+    def compile_seconds(self) -> dict[str, float]:
+        """Seconds each graph took to compile (``"fused"``, ``"dI"``, ``"dW"``,
+        ``"dW+accumulate"``), for the graphs compiled so far."""
+        return dict(self.graphs.compile_seconds)
+
+    @property
+    def compiled_graphs(self) -> tuple[str, ...]:
+        """The graphs compiled so far, in the order they were compiled
+        (``"dW+accumulate"`` once per variant of accumulated outputs and ``.grad`` layouts)."""
+        return tuple(k if isinstance(k, str) else k[0] for k in self._compiled)
+
+    # -- compiling on first use -----------------------------------------------
+    # The graphs as the runtime calls them: compiled on first access. Assigning
+    # replaces one (tools that time or fail a graph wrap what they read);
+    # properties rather than stored callables, so no reference cycle keeps
+    # a region alive after its compiled code is gone.
+    @property
+    def _run_di(self) -> ti.BoxedCallable:
+        return self._replaced.get("dI") or self._graph("dI")
+
+    @_run_di.setter
+    def _run_di(self, fn: ti.BoxedCallable) -> None:
+        self._replaced["dI"] = fn
+
+    @property
+    def _run_dw(self) -> ti.BoxedCallable:
+        return self._replaced.get("dW") or self._graph("dW")
+
+    @_run_dw.setter
+    def _run_dw(self, fn: ti.BoxedCallable) -> None:
+        self._replaced["dW"] = fn
+
+    @property
+    def _run_fused(self) -> ti.BoxedCallable | None:
+        if not self.fused_backward:
+            return None
+        return self._replaced.get("fused") or self._graph("fused")
+
+    @_run_fused.setter
+    def _run_fused(self, fn: ti.BoxedCallable) -> None:
+        self._replaced["fused"] = fn
+
+    def _graph(self, kind: str) -> ti.BoxedCallable:
+        fn = self._compiled.get(kind)
+        if fn is not None:
+            return fn
+        if kind == "dW":
+            self._graph("dI")  # dW is compiled for the layout compiled dI gives its live-ins
+        with self._lock:
+            fn = self._compiled.get(kind)
+            if fn is None:
+                fn = self.graphs.compile(kind)
+                self._compiled[kind] = fn
+        return fn
+
+    def compile(self, *kinds: str) -> None:
+        """Compile the graphs ``kinds`` now, if not yet compiled."""
+        for kind in kinds:
+            self._graph(kind)
+
+    def prepare_split(self) -> None:
+        """Compile the dI and dW graphs if they are not yet (B calls this before its autograd call)."""
+        if "dW" not in self._compiled:
+            self.compile("dI", "dW")
+
+    def accumulating_graph(self, positions: tuple[int, ...], grads: Sequence[torch.Tensor]) -> ti.BoxedCallable | None:
+        """The dW graph that accumulates its outputs at ``positions`` into
+        tensors laid out as ``grads``, compiled on first use (``None`` if the
+        backend cannot build it)."""
+        key = ("dW+accumulate", positions, tuple((tuple(g.stride()), g.dtype, g.device) for g in grads))
+        if key in self._compiled:
+            return self._compiled[key]
+        self._graph("dW")  # the variant is compiled for the live-ins' layout, as dW
+        with self._lock:
+            if key not in self._compiled:
+                variants = sum(1 for k in self._compiled if not isinstance(k, str))
+                # A .grad whose layout keeps changing would compile without end: stop at a few.
+                fn = self.graphs.compile_accumulating(positions, grads) if variants < _MAX_VARIANTS else None
+                self._compiled[key] = fn
+            return self._compiled[key]
+
     # -- graph-level pieces -------------------------------------------------
-    def run_dw(self, live_ins: list[Any]) -> list[Any]:
+    def run_dw(self, live_ins: list[Any], timings: dict[str, int] | None = None) -> list[Any]:
         # Outside the autograd engine: reproduce the state it runs backward
         # graphs in (no grad mode; the graph is already autocast-lowered).
         with torch.no_grad(), ti.autocast_disabled():
-            return list(self._run_dw(live_ins))
+            t0 = time.perf_counter_ns()
+            out = list(self._run_dw(live_ins))
+            dt = time.perf_counter_ns() - t0
+        self._count("dW", dt, timings, "w_graph_ns")
+        self.stats["dw_runs"] += 1
+        return out
 
-    def _di_and_live(self, args: list[Any]) -> tuple[list[Any], list[Any]]:
+    def run_dw_accumulating(
+        self, graph: ti.BoxedCallable, args: list[Any], timings: dict[str, int] | None = None
+    ) -> list[Any]:
+        with torch.no_grad(), ti.autocast_disabled():
+            t0 = time.perf_counter_ns()
+            out = list(graph(args))
+            dt = time.perf_counter_ns() - t0
+        self._count("dW", dt, timings, "w_graph_ns")
+        self.stats["dw_runs"] += 1
+        self.accumulating_runs += 1
+        return out
+
+    def _count(self, kind: str, ns: int, timings: dict[str, int] | None, key: str) -> None:
+        self.graph_ns[kind] += ns
+        if timings is not None:
+            timings[key] = timings.get(key, 0) + ns
+
+    def _di_and_live(self, args: list[Any], timings: dict[str, int] | None = None) -> tuple[list[Any], list[Any]]:
+        t0 = time.perf_counter_ns()
         outs = list(self._run_di(args))
+        self._count("dI", time.perf_counter_ns() - t0, timings, "b_graph_ns")
         n = len(self.split.di_outputs)
         self.stats["di_runs"] += 1
         return outs[:n], outs[n:]
@@ -244,13 +437,15 @@ class CompiledSplitBackward:
         return result
 
     def _full(self, args: list[Any]) -> list[Any]:
-        if self._run_fused is not None:
+        if self.fused_backward:
+            t0 = time.perf_counter_ns()
+            out = list(self._run_fused(args))  # type: ignore[misc]
+            self.graph_ns["fused"] += time.perf_counter_ns() - t0
             self.stats["fused_runs"] += 1
-            return list(self._run_fused(args))
+            return out
         di_vals, live = self._di_and_live(args)
         args.clear()
         dw_vals = self.run_dw(live)
-        self.stats["dw_runs"] += 1
         return self._assemble(di_vals, dw_vals)
 
     # -- AOTAutograd entry point -------------------------------------------
@@ -270,7 +465,7 @@ class CompiledSplitBackward:
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
         edges = self._edges_by_output(node.next_functions)
-        di_vals, live = self._di_and_live(args)
+        di_vals, live = self._di_and_live(args, call.timings)
         args.clear()
         if call.release_saved and node not in call.keep:
             # Only B needed them (W runs the dW graph on the live-ins), but the

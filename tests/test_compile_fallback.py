@@ -83,7 +83,9 @@ def test_failed_region_runs_eagerly_and_is_still_split(
     _inject(monkeypatch, graph)
     model = Stage()
     plain = copy.deepcopy(model)
-    stage = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="eager"))
+    # lazy_compile=False: every graph compiles with the forward, where a failure is the
+    # region's (tests/test_lazy_compile.py covers failures of graphs compiled on first use).
+    stage = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="eager", lazy_compile=False))
     params = list(model.parameters())
     regions_before, fallbacks_before = fxsplit.compiled_regions(), len(fxsplit.fallbacks())
     x = torch.randn(5, 4, requires_grad=True)
@@ -148,7 +150,7 @@ def _compile_error(stage: Any, *inputs: torch.Tensor) -> fxsplit.FxsplitCompileE
 def test_fallback_error_raises_a_short_error_naming_the_graph(graph: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _inject(monkeypatch, graph)
     before = len(fxsplit.fallbacks())
-    stage = torch.compile(Stage(), backend=fxsplit.backend(compiler="eager", fallback="error"))
+    stage = torch.compile(Stage(), backend=fxsplit.backend(compiler="eager", fallback="error", lazy_compile=False))
     err = _compile_error(stage, torch.randn(5, 4, requires_grad=True))
     text = str(err)
     assert err.graph == graph and err.region is not None and err.region in text
