@@ -143,6 +143,26 @@ def engine_will_execute(node: Any) -> bool:
         return False
 
 
+def run_node_outside_engine(node: Any, grads: dict[int, torch.Tensor]) -> Any:
+    """Run an ``autograd.Function`` node's backward (an AOTAutograd region) on
+    the gradients ``grads`` flowing into its inputs, outside the engine.
+
+    Does what the engine's ``PyNode::apply`` does for the call itself: inputs
+    with no gradient get zeros (``materialize_grads``, AOTAutograd's default)
+    of the shape, dtype and device in the node's ``_input_metadata``, and it
+    runs with grad mode off. It does not run the node's hooks, set the
+    engine's current node (callers that need it register the node themselves)
+    or free the saved tensors. Relies on ``Node._input_metadata`` and
+    ``BackwardCFunction.apply`` (``torch/autograd/function.py``).
+    """
+    args = []
+    for k, meta in enumerate(node._input_metadata):
+        g = grads.get(k)
+        args.append(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device))
+    with torch.no_grad():
+        return node.apply(*args)
+
+
 def compiled_backward_of(node: Any) -> Any:
     """The compiled backward callable behind an AOTAutograd autograd node, or None.
     Relies on ``CompiledFunction.compiled_bw`` (``runtime_wrappers.py``), reached
