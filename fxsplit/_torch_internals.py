@@ -319,6 +319,22 @@ def ddp_expect_gradients(ddp: Any, outputs: Any) -> None:
     ddp.reducer.prepare_for_backward(list(_find_tensors(outputs)))
 
 
+def stage_backward_state(stage: Any, chunk: int, pop: bool = False) -> tuple[Any, Any, Any, Any] | None:
+    """What a pipeline stage's ``I`` stored for its ``W`` of microbatch ``chunk``:
+    ``(input_values, param_groups, stage_output, output_grads)``, or ``None``.
+    Relies on ``_PipelineStageBase.backward_state`` and the layout of its
+    entries (``torch/distributed/pipelining/stage.py``, ``backward_one_chunk``)."""
+    state = stage.backward_state.pop(chunk, None) if pop else stage.backward_state.get(chunk)
+    return None if state is None else tuple(state)  # type: ignore[return-value]
+
+
+def set_stage_param_groups(stage: Any, chunk: int, param_groups: Any) -> None:
+    """Replace the ``param_groups`` a stage's ``I`` stored for microbatch ``chunk``
+    (see :func:`stage_backward_state`)."""
+    input_values, _, stage_output, output_grads = stage.backward_state[chunk]
+    stage.backward_state[chunk] = (input_values, param_groups, stage_output, output_grads)
+
+
 def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
     """For every parameter FSDP2 (``fully_shard``) manages in ``module``'s tree: the
     id of its sharded and of its unsharded parameter, mapped to the unsharded one.
