@@ -191,19 +191,41 @@ def _group_weights(
 
 
 def _rerun_and_release(
-    intermediates: Sequence[Node], b_set: set[Node], weight_nodes: Iterable[Node], parents: dict[Node, list[Node]]
+    intermediates: Sequence[Node], groups: Sequence[WeightGroup], b_set: set[Node], parents: dict[Node, list[Node]]
 ) -> tuple[set[Node], list[Node]]:
-    """The B-set nodes W re-runs, and those below the intermediates it does not.
+    """The B-set nodes whose saved tensors survive B, and the eager ones below
+    the intermediates that do not.
 
-    W's calls start at the intermediates and execute every node on a path
-    from there to one of their weights; a node reaching no eager weight is
-    never run again. (All groups are taken together: a superset of what
-    each call runs, so nothing W needs is released.) Nodes above the
+    Each group's W call starts at its intermediates (and at W-side edges,
+    outside the B set) and executes every node on a path from there to one
+    of its weights. A compiled region is kept only if such a path of some
+    group passes through it: a region between an eager head and an eager
+    embedding is not (the head's call stops at the head's weights, the
+    embedding's starts below the region) and frees its activations at B.
+    An eager node is kept if it reaches any eager weight (a superset of what
+    W runs), so that the graph B retains below an intermediate still serves
+    another backward, as upstream's retained graph does. Nodes above the
     intermediates are not listed: nothing holds them after B.
     """
-    reaches_weight = _upward_closure(weight_nodes, parents)
+    weights = [n for g in groups for n in g.accumulators]
+    reaches_any_weight = _upward_closure(weights, parents)
+    below_any = _below_in(intermediates, b_set)
+    passed: set[Node] = set()  # on a path some W call runs
+    for g in groups:
+        starts = [intermediates[k] for k in g.intermediates]
+        if starts:
+            reaches = _upward_closure(g.accumulators, parents)
+            passed.update(n for n in _below_in(starts, b_set) if n in reaches)
+    rerun = set(intermediates) | {
+        n for n in below_any if n in (passed if is_split_region(n) else reaches_any_weight)
+    }
+    return rerun, [n for n in below_any if n not in rerun and not is_split_region(n)]
+
+
+def _below_in(starts: Sequence[Node], b_set: set[Node]) -> dict[Node, None]:
+    """``starts`` and the B-set nodes below them, in discovery order."""
     below: dict[Node, None] = {}
-    queue = collections.deque(intermediates)
+    queue = collections.deque(starts)
     while queue:
         node = queue.popleft()
         if node in below:
@@ -212,8 +234,7 @@ def _rerun_and_release(
         for child, _ in node.next_functions:
             if child is not None and child in b_set and child not in below:
                 queue.append(child)
-    rerun = set(intermediates) | {n for n in below if n in reaches_weight}
-    return rerun, [n for n in below if n not in rerun and not is_split_region(n)]
+    return below
 
 
 def _weight_nodes(
@@ -336,15 +357,15 @@ def plan_eager_weight_work(
     regions = [n for n in intermediates if is_split_region(n)]
     index_of = {n: k for k, n in enumerate(eager)}
     region_index_of = {n: k for k, n in enumerate(regions)}
+    groups = _group_weights(starts, index_of, region_index_of, node_of)
     rerun: set[Node] = set()
     release: list[Node] = []
     if eager:  # B retains the graph only for these
-        eager_weights = [node_of[id(w)] for w, _, _ in starts]
-        rerun, release = _rerun_and_release(eager, b_set, eager_weights, parents)
+        rerun, release = _rerun_and_release(eager, groups, b_set, parents)
     return EagerWeightPlan(
         eager,
         list(w_roots),
-        _group_weights(starts, index_of, region_index_of, node_of),
+        groups,
         unreached=len(unreached),
         region_starts=regions,
         split_regions=[n for n in b_set if is_split_region(n)],
