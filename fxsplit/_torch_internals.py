@@ -144,6 +144,26 @@ def engine_will_execute(node: Any) -> bool:
         return False
 
 
+def run_node_outside_engine(node: Any, grads: dict[int, torch.Tensor]) -> Any:
+    """Run an ``autograd.Function`` node's backward (an AOTAutograd region) on
+    the gradients ``grads`` flowing into its inputs, outside the engine.
+
+    Does what the engine's ``PyNode::apply`` does for the call itself: inputs
+    with no gradient get zeros (``materialize_grads``, AOTAutograd's default)
+    of the shape, dtype and device in the node's ``_input_metadata``, and it
+    runs with grad mode off. It does not run the node's hooks, set the
+    engine's current node (callers that need it register the node themselves)
+    or free the saved tensors. Relies on ``Node._input_metadata`` and
+    ``BackwardCFunction.apply`` (``torch/autograd/function.py``).
+    """
+    args = []
+    for k, meta in enumerate(node._input_metadata):
+        g = grads.get(k)
+        args.append(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device))
+    with torch.no_grad():
+        return node.apply(*args)
+
+
 def compiled_backward_of(node: Any) -> Any:
     """The compiled backward callable behind an AOTAutograd autograd node, or None.
     Relies on ``CompiledFunction.compiled_bw`` (``runtime_wrappers.py``), reached
@@ -353,6 +373,22 @@ def ddp_expect_gradients(ddp: Any, outputs: Any) -> None:
     from torch.nn.parallel.distributed import _find_tensors
 
     ddp.reducer.prepare_for_backward(list(_find_tensors(outputs)))
+
+
+def stage_backward_state(stage: Any, chunk: int, pop: bool = False) -> tuple[Any, Any, Any, Any] | None:
+    """What a pipeline stage's ``I`` stored for its ``W`` of microbatch ``chunk``:
+    ``(input_values, param_groups, stage_output, output_grads)``, or ``None``.
+    Relies on ``_PipelineStageBase.backward_state`` and the layout of its
+    entries (``torch/distributed/pipelining/stage.py``, ``backward_one_chunk``)."""
+    state = stage.backward_state.pop(chunk, None) if pop else stage.backward_state.get(chunk)
+    return None if state is None else tuple(state)  # type: ignore[return-value]
+
+
+def set_stage_param_groups(stage: Any, chunk: int, param_groups: Any) -> None:
+    """Replace the ``param_groups`` a stage's ``I`` stored for microbatch ``chunk``
+    (see :func:`stage_backward_state`)."""
+    input_values, _, stage_output, output_grads = stage.backward_state[chunk]
+    stage.backward_state[chunk] = (input_values, param_groups, stage_output, output_grads)
 
 
 def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:

@@ -23,9 +23,9 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from fxsplit import _torch_internals as ti
-from fxsplit.fallback import gradient_edge, plan_eager_weight_work
+from fxsplit.fallback import EagerWeightPlan, gradient_edge, plan_eager_weight_work
 from fxsplit.pending import PendingWeightGrads
-from fxsplit.runtime import InputCall, registered
+from fxsplit.runtime import InputCall, registered, run_directly
 
 log = logging.getLogger("fxsplit")
 
@@ -211,6 +211,12 @@ def stage_backward_input(
     :class:`PendingWeightGrads` to pass to :func:`stage_backward_weight`
     (once, or again after a W that raised).
 
+    A first stage (no input needs a gradient) still does its share at B:
+    every compiled region runs its dI graph (the activation-gradient chain
+    through the region) and the eager code above the regions runs up to
+    them, so W is left with the weight-gradient work; eager code below the
+    regions, and a stage with no region, run at W (see :mod:`fxsplit.fallback`).
+
     Only this call's autograd call is split: the compiled regions it runs are
     registered on their autograd nodes while it runs, so backward calls of
     other threads, models or microbatches stay ordinary.
@@ -235,7 +241,10 @@ def stage_backward_input(
     grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
     input_nodes = [gradient_edge(v).node for _, v in grad_inputs] if outs else []
     plan = plan_eager_weight_work(out_edges, input_nodes, weights)
-    if grad_inputs:
+    # A first stage (no input needs a gradient): B captures the gradients
+    # flowing into its bottom regions, then runs their dI graphs itself.
+    captures = plan.captures
+    if grad_inputs or captures:
         _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
         # The dI/dW graphs of the regions this B splits compile on first use,
         # here: a compile error raises before anything has run.
@@ -260,17 +269,20 @@ def stage_backward_input(
     call = InputCall((id(w) for w in weights), release_saved=retain, keep=plan.rerun)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     try:
-        if grad_inputs and outs:
+        if (grad_inputs or captures) and outs:
             with registered(plan.split_regions, call):
                 results = torch.autograd.grad(
                     outs,
-                    [v for _, v in grad_inputs],
+                    [v for _, v in grad_inputs] + captures,
                     grad_outputs=grads,
                     retain_graph=retain,
                     allow_unused=True,
                 )
-            for (k, _), g in zip(grad_inputs, results):
-                dinputs[k] = g
+                for (k, _), g in zip(grad_inputs, results):
+                    dinputs[k] = g
+                if captures:
+                    _run_bottom_regions(plan, results[len(grad_inputs):])
+            del results
             # The graph is retained for the nodes W re-runs; free what the
             # nodes below the intermediates that only B needed saved.
             for node in plan.release:
@@ -291,6 +303,7 @@ def stage_backward_input(
             else:
                 v.grad += g
 
+    del captures
     work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
     work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
     ran = sorted({r.region for r in call.records})
@@ -311,6 +324,21 @@ def stage_backward_input(
         )
     work.timings["b_ns"] = time.perf_counter_ns() - t0
     return tuple(dinputs), work
+
+
+def _run_bottom_regions(plan: EagerWeightPlan, captured: Sequence[torch.Tensor | None]) -> None:
+    """A first stage's B, second half: each bottom region's dI graph on the
+    gradients B's autograd call captured flowing into it; its saved
+    activations are freed after (the engine would have, had it run it),
+    unless W's eager calls pass through it."""
+    grads: dict[Any, dict[int, torch.Tensor]] = {n: {} for n in plan.bottom_regions}
+    for edge, g in zip(plan.captures, captured):
+        if g is not None:
+            grads[edge.node][edge.output_nr] = g
+    for node in plan.bottom_regions:
+        run_directly(node, grads.pop(node))
+        if node not in plan.rerun:
+            ti.release_saved_tensors(node)
 
 
 def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> PendingWeightGrads:

@@ -12,9 +12,23 @@ Terms used below, for one stage:
 * *region starts*: fxsplit-compiled regions in the B set with an edge into
   the W side. Their dI graph computes, in B, the gradient flowing along that
   edge; B hands it over and W starts from the edge (the region is not re-run).
-* *W roots*: stage-output nodes already on the W side (e.g. every output of a
-  first stage, whose inputs need no gradient). W starts there with the
+* *W roots*: stage-output nodes already on the W side (outputs no input
+  gradient and no compiled region depends on). W starts there with the
   output gradients.
+* *first stage* (no stage input needs a gradient): the *bottom regions*
+  (split regions with no split region below them) take the place of the
+  stage inputs. B's autograd call captures the gradients flowing into them,
+  which runs every other region's dI graph and the eager code above the
+  regions (only the outputs on the way down, as for any stage); then B runs
+  each bottom region's dI graph itself, on the captured gradients
+  (:func:`fxsplit._torch_internals.run_node_outside_engine`): below a bottom
+  region there is nothing to capture but grad accumulators, and capturing
+  there would call the weights' tensor hooks in B. So every compiled
+  region runs its activation-gradient chain at B and only its
+  weight-gradient leaves at W, whatever eager code surrounds it. Eager code
+  below the bottom regions (an eager embedding) and a stage with no
+  compiled region run at W, as upstream runs every first stage: there only
+  weight gradients are left to compute.
 * *re-run nodes*: the B-set nodes W's autograd calls execute again: the
   intermediates and the B-set nodes below them on a path to an eager weight
   (e.g. a compiled region whose parameter is also used by eager code).
@@ -120,6 +134,10 @@ class EagerWeightPlan:
     B retains the graph, so their saved tensors are freed when B ends. Split
     regions are not listed: each frees its own when its dI graph has run,
     unless it is in ``rerun``.
+    ``bottom_regions`` and ``captures``: for a first stage (no input node
+    given), the split regions with no split region below them, and the edges
+    into them B's autograd call captures the gradients of (see the module
+    docs); empty otherwise.
     """
 
     intermediates: list[Node]
@@ -131,6 +149,8 @@ class EagerWeightPlan:
     w_side: set[Node] = dataclasses.field(default_factory=set)
     rerun: set[Node] = dataclasses.field(default_factory=set)
     release: list[Node] = dataclasses.field(default_factory=list)
+    bottom_regions: list[Node] = dataclasses.field(default_factory=list)
+    captures: list[GradientEdge] = dataclasses.field(default_factory=list)
 
     @property
     def eager_weights(self) -> list[torch.Tensor]:
@@ -171,19 +191,41 @@ def _group_weights(
 
 
 def _rerun_and_release(
-    intermediates: Sequence[Node], b_set: set[Node], weight_nodes: Iterable[Node], parents: dict[Node, list[Node]]
+    intermediates: Sequence[Node], groups: Sequence[WeightGroup], b_set: set[Node], parents: dict[Node, list[Node]]
 ) -> tuple[set[Node], list[Node]]:
-    """The B-set nodes W re-runs, and those below the intermediates it does not.
+    """The B-set nodes whose saved tensors survive B, and the eager ones below
+    the intermediates that do not.
 
-    W's calls start at the intermediates and execute every node on a path
-    from there to one of their weights; a node reaching no eager weight is
-    never run again. (All groups are taken together: a superset of what
-    each call runs, so nothing W needs is released.) Nodes above the
+    Each group's W call starts at its intermediates (and at W-side edges,
+    outside the B set) and executes every node on a path from there to one
+    of its weights. A compiled region is kept only if such a path of some
+    group passes through it: a region between an eager head and an eager
+    embedding is not (the head's call stops at the head's weights, the
+    embedding's starts below the region) and frees its activations at B.
+    An eager node is kept if it reaches any eager weight (a superset of what
+    W runs), so that the graph B retains below an intermediate still serves
+    another backward, as upstream's retained graph does. Nodes above the
     intermediates are not listed: nothing holds them after B.
     """
-    reaches_weight = _upward_closure(weight_nodes, parents)
+    weights = [n for g in groups for n in g.accumulators]
+    reaches_any_weight = _upward_closure(weights, parents)
+    below_any = _below_in(intermediates, b_set)
+    passed: set[Node] = set()  # on a path some W call runs
+    for g in groups:
+        starts = [intermediates[k] for k in g.intermediates]
+        if starts:
+            reaches = _upward_closure(g.accumulators, parents)
+            passed.update(n for n in _below_in(starts, b_set) if n in reaches)
+    rerun = set(intermediates) | {
+        n for n in below_any if n in (passed if is_split_region(n) else reaches_any_weight)
+    }
+    return rerun, [n for n in below_any if n not in rerun and not is_split_region(n)]
+
+
+def _below_in(starts: Sequence[Node], b_set: set[Node]) -> dict[Node, None]:
+    """``starts`` and the B-set nodes below them, in discovery order."""
     below: dict[Node, None] = {}
-    queue = collections.deque(intermediates)
+    queue = collections.deque(starts)
     while queue:
         node = queue.popleft()
         if node in below:
@@ -192,8 +234,7 @@ def _rerun_and_release(
         for child, _ in node.next_functions:
             if child is not None and child in b_set and child not in below:
                 queue.append(child)
-    rerun = set(intermediates) | {n for n in below if n in reaches_weight}
-    return rerun, [n for n in below if n not in rerun and not is_split_region(n)]
+    return below
 
 
 def _weight_nodes(
@@ -231,12 +272,38 @@ def _weight_nodes(
     return node_of, unreached, missing
 
 
+def _bottom_regions(
+    parents: dict[Node, list[Node]], roots: Sequence[Node], output_edges: Sequence[GradientEdge]
+) -> tuple[list[Node], list[GradientEdge]]:
+    """A first stage's bottom regions (split regions with no split region below
+    them) and the edges into them that carry a gradient (module docs)."""
+    regions = [n for n in dict.fromkeys([*roots, *parents]) if n is not None and is_split_region(n)]
+    above_a_region = _upward_closure(
+        (p for r in regions for p in parents.get(r, ())), parents
+    )
+    bottom = [r for r in regions if r not in above_a_region]
+    edges: dict[tuple[Node, int], None] = {}
+    for r in bottom:
+        for p in parents.get(r, ()):
+            for child, nr in p.next_functions:
+                if child is r:
+                    edges[(r, nr)] = None
+    for e in output_edges:
+        if e.node in bottom:
+            edges[(e.node, e.output_nr)] = None
+    return bottom, [GradientEdge(n, nr) for n, nr in edges]
+
+
 def plan_eager_weight_work(
     output_edges: Sequence[GradientEdge],
     input_nodes: Sequence[Node],
     weights: Sequence[torch.Tensor],
 ) -> EagerWeightPlan:
     """Find the intermediates and W roots that W needs for weights with an eager path.
+
+    ``input_nodes`` are the gradient nodes of the stage inputs that need a
+    gradient; none (with outputs) makes it a first stage, whose B targets
+    are chosen here (``bottom_regions``, ``captures``).
 
     Raises ``ValueError`` when the weights look like another module's: some
     of them are not used by the stage outputs while parameters the outputs
@@ -251,7 +318,8 @@ def plan_eager_weight_work(
             f"stage outputs, while {missing} parameter(s) the outputs depend on were not given: the weights "
             "do not belong to this stage (pass the stage module's parameters)"
         )
-    b_set = _upward_closure(input_nodes, parents)
+    bottom, captures = _bottom_regions(parents, roots, output_edges) if not input_nodes else ([], [])
+    b_set = _upward_closure(list(input_nodes) or bottom, parents)
     root_index: dict[Node, list[int]] = collections.defaultdict(list)
     for k, node in enumerate(roots):
         root_index[node].append(k)
@@ -289,19 +357,21 @@ def plan_eager_weight_work(
     regions = [n for n in intermediates if is_split_region(n)]
     index_of = {n: k for k, n in enumerate(eager)}
     region_index_of = {n: k for k, n in enumerate(regions)}
+    groups = _group_weights(starts, index_of, region_index_of, node_of)
     rerun: set[Node] = set()
     release: list[Node] = []
     if eager:  # B retains the graph only for these
-        eager_weights = [node_of[id(w)] for w, _, _ in starts]
-        rerun, release = _rerun_and_release(eager, b_set, eager_weights, parents)
+        rerun, release = _rerun_and_release(eager, groups, b_set, parents)
     return EagerWeightPlan(
         eager,
         list(w_roots),
-        _group_weights(starts, index_of, region_index_of, node_of),
+        groups,
         unreached=len(unreached),
         region_starts=regions,
         split_regions=[n for n in b_set if is_split_region(n)],
         w_side=w_side,
         rerun=rerun,
         release=release,
+        bottom_regions=bottom,
+        captures=captures,
     )

@@ -25,13 +25,16 @@ What runs where, per microbatch:
 * **last stage**: ``I`` runs the loss's backward (eager) and the dI graphs;
   ``W`` the dW graphs. Same as a middle stage, the loss being just eager code
   at the top of the stage.
-* **first stage** (inputs need no gradient): nothing needs the input-gradient
-  chain except the stage's own weight gradients, so all of its backward is
-  weight work. Upstream's runtime skips ``I`` for stage 0 and runs a full
-  backward at ``W``; we keep that: ``I`` does nothing, ``W`` runs the stage's
-  full backward (the fused compiled backward of each region), once. No work
-  is duplicated and none of it is on the pipeline's critical path, which is
-  what the zero-bubble schedules want of stage 0's backward.
+* **first stage** (stage 0, inputs need no gradient): upstream's stage
+  skips ``I`` for stage 0 and runs a full backward at ``W``, so ``W`` is as
+  long as ``I`` and ``W`` together and every activation is held until then.
+  Here stage 0 is balanced like the others: ``I`` runs the
+  activation-gradient chain (each compiled region's dI graph, and the eager
+  code above the regions) and frees the activations ``W`` does not need;
+  ``W`` runs only the weight-gradient work (the dW graphs, and eager code
+  below the regions, e.g. an eager embedding's backward). No work is
+  duplicated. A stage 0 with no compiled region keeps upstream's way
+  (everything at ``W``). See :meth:`PipelineStage.backward_one_chunk`.
 
 Using it with the upstream schedules:
 
@@ -145,7 +148,8 @@ class PipelineStage(_UpstreamPipelineStage):
     Same constructor and behaviour as the upstream class; only
     :meth:`backward_maybe_with_nosync` (the single place upstream's stage
     calls ``stage_backward``/``stage_backward_input``/``stage_backward_weight``)
-    is replaced. The ``param_groups`` it returns for an ``"input"`` backward is
+    is replaced, and, for stage 0, the input step upstream skips is added
+    (:meth:`backward_one_chunk`, :meth:`backward_weight_one_chunk`). The ``param_groups`` it returns for an ``"input"`` backward is
     a :class:`fxsplit.PendingWeightGrads`, which the stage keeps in its
     backward state until the matching ``"weight"`` backward consumes it.
 
@@ -207,6 +211,53 @@ class PipelineStage(_UpstreamPipelineStage):
             with module.no_sync():  # type: ignore[operator]
                 return super()._compute_outputs(*args, module=module, **kwargs)  # type: ignore[misc]
         return super()._compute_outputs(*args, module=module, **kwargs)  # type: ignore[misc]
+
+    def _balances_first_stage(self) -> bool:
+        """Whether this stage's split actions need the stage-0 overrides below."""
+        return self.is_first and self.dw_builder is None and self.has_backward
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        """Upstream's, plus the input step it skips for stage 0.
+
+        Upstream's ``I`` on stage 0 (``full_backward=False``) stores the
+        microbatch's outputs and output gradients for ``W`` and runs nothing;
+        its ``W`` then runs a full backward. Here, after upstream's bookkeeping
+        (caches, received gradients, validation), ``I`` runs
+        :func:`fxsplit.stage_backward_input` on what upstream stored and keeps
+        the :class:`~fxsplit.PendingWeightGrads` in its place, which
+        :meth:`backward_weight_one_chunk` consumes. Every other action is
+        upstream's unchanged.
+        """
+        super().backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
+        if full_backward or not self._balances_first_stage():
+            return
+        state = ti.stage_backward_state(self, bwd_chunk_id)
+        if state is None or state[1] is not None:  # upstream ran an input step itself (a later torch)
+            return
+        input_values, _, stage_output, output_grads = state
+        _, work = self.backward_maybe_with_nosync(
+            "input",
+            {"stage_output": stage_output, "output_grads": output_grads, "input_values": input_values},
+            last_backward=last_backward,
+        )
+        ti.set_stage_param_groups(self, bwd_chunk_id, work)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """Upstream's, except that stage 0's ``W`` runs the pending weight work
+        its ``I`` left (:meth:`backward_one_chunk`) instead of a full backward."""
+        state = ti.stage_backward_state(self, bwd_chunk_id) if self._balances_first_stage() else None
+        if state is None or not isinstance(state[1], PendingWeightGrads):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            return
+        ti.stage_backward_state(self, bwd_chunk_id, pop=True)
+        _, work, stage_output, _ = state
+        self.backward_maybe_with_nosync(
+            "weight", {"stage_output": stage_output, "param_groups": work}, last_backward=last_backward
+        )
 
     def _split_weights(self) -> list[torch.Tensor]:
         """The weights B and W work on: the stage's parameters as autograd records them.

@@ -21,7 +21,9 @@ Registrations are attributes on the node object (the AOTAutograd ``ctx``),
 set before the autograd call and removed when it returns. The engine tells a
 running backward which node it executes (:func:`~fxsplit._torch_internals.current_autograd_node`),
 also on the CUDA engine's device threads, so no global phase is needed and
-backward calls in other threads are untouched.
+backward calls in other threads are untouched. B also runs a first stage's
+bottom regions itself, outside the engine (:func:`run_directly`); the node
+is then named by a thread-local for the duration of that call.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "InputCall",
     "RegionGraphs",
     "registered",
+    "run_directly",
 ]
 
 # The attribute a node carries while a split backward call is registered on it.
@@ -129,6 +132,23 @@ def registered(nodes: Sequence[Any], call: InputCall | _SplitDone) -> Iterator[N
     finally:
         for node in done:
             setattr(node, _CALL_ATTR, None)
+
+
+# The node run_directly is running on this thread (the engine reports none then).
+_direct = threading.local()
+
+
+def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> None:
+    """Run region ``node``'s backward outside the engine, on the gradients
+    ``grads`` flowing into its inputs, as its registration says (B: the dI
+    graph only). Its results go where the registration sends them (records,
+    hand-overs); the returned weight gradients are ``None`` in B."""
+    prev = getattr(_direct, "node", None)
+    _direct.node = node
+    try:
+        ti.run_node_outside_engine(node, grads)
+    finally:
+        _direct.node = prev
 
 
 class CompiledWeightWork:
@@ -451,6 +471,8 @@ class CompiledSplitBackward:
     # -- AOTAutograd entry point -------------------------------------------
     def __call__(self, args: list[Any]) -> list[Any]:
         node = ti.current_autograd_node()
+        if node is None:
+            node = getattr(_direct, "node", None)
         call = getattr(node, _CALL_ATTR, None) if node is not None else None
         if call is None:
             return self._full(args)

@@ -6,7 +6,13 @@ group and reports back through a queue. Exceptions in a rank come back as
 their traceback and are raised in the parent; a rank that neither reports
 nor exits in time is killed and the parent fails with a timeout (no hangs).
 
-Each case builds the same small transformer in every rank (same seed), runs
+Each case builds the same small transformer in every rank (same seed), in
+one of two layouts (``Case.layout``): ``"float"``, every stage compiled as a
+whole in place, float inputs and an MSE loss; ``"lm"``, a language model:
+stage 0 takes token ids through an eager ``nn.Embedding`` (its inputs need
+no gradient), every stage's blocks are compiled in place, and the last
+stage has an eager head (LayerNorm, Linear to the vocabulary) under a
+cross-entropy loss. It runs
 two optimizer steps of an upstream schedule over fxsplit
 :class:`~fxsplit.pipelining.PipelineStage` s, and checks in-rank, against a
 single-process non-pipelined eager reference, every microbatch loss and
@@ -41,6 +47,7 @@ SEQ = 6  # tokens per sample; MB_BATCH * SEQ = 12 differs from every weight dime
 N_MICROBATCHES = 4
 N_STEPS = 2
 LR = 0.1
+VOCAB = 24  # "lm" layout
 
 SCHEDULES = (
     "Schedule1F1B",
@@ -86,20 +93,67 @@ class StageModule(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def build_reference(n_stages: int) -> list[StageModule]:
+class Body(nn.Module):
+    """A run of blocks, compiled in place as one module in the ``"lm"`` layout."""
+
+    def __init__(self, n_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(D_MODEL, N_HEADS) for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class LMStageModule(nn.Module):
+    """A stage of the ``"lm"`` layout: an eager embedding (stage 0), the compiled
+    body, an eager head (last stage). Only ``body`` is compiled."""
+
+    def __init__(self, n_blocks: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL) if first else None
+        self.body = Body(n_blocks)
+        self.head = nn.Sequential(nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, VOCAB)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        x = self.body(x)
+        return self.head(x) if self.head is not None else x
+
+
+def build_reference(n_stages: int, layout: str = "float") -> list[nn.Module]:
     torch.manual_seed(0)
     per = N_BLOCKS // n_stages
+    if layout == "lm":
+        return [LMStageModule(per, first=(s == 0), last=(s == n_stages - 1)) for s in range(n_stages)]
     return [StageModule(per, last=(s == n_stages - 1)) for s in range(n_stages)]
 
 
-def make_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compile_stage(module: nn.Module, layout: str, backend: Any) -> None:
+    """In place (the schedules refuse OptimizedModule): the whole stage, or (``"lm"``) its body."""
+    (module.body if layout == "lm" else module).compile(backend=backend)
+
+
+def make_data(step: int, layout: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     n = MB_BATCH * N_MICROBATCHES
+    if layout == "lm":
+        return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
     return torch.randn(n, SEQ, D_MODEL, generator=g), torch.randn(n, SEQ, D_MODEL, generator=g)
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
+
+
+def lm_loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def loss_for(layout: str) -> Any:
+    return lm_loss_fn if layout == "lm" else loss_fn
 
 
 def weight_grad_flops(module: nn.Module) -> int:
@@ -218,16 +272,21 @@ class Case:
     schedule: str
     compiler: str = "eager"
     fused_backward: bool = True
+    layout: str = "float"  # or "lm" (see the module docs)
+
+    @property
+    def key(self) -> str:
+        return self.schedule if self.layout == "float" else f"{self.schedule}:{self.layout}"
 
 
-def _reference_step(stages: list[StageModule], x: torch.Tensor, y: torch.Tensor) -> list[float]:
+def _reference_step(stages: list[nn.Module], x: torch.Tensor, y: torch.Tensor, layout: str = "float") -> list[float]:
     """Non-pipelined eager reference: per-microbatch losses, grads scaled as the schedule does."""
     losses = []
     for xm, ym in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
         h = xm
         for s in stages:
             h = s(h)
-        loss = loss_fn(h, ym)
+        loss = loss_for(layout)(h, ym)
         loss.backward()
         losses.append(loss.detach())
     for s in stages:
@@ -236,17 +295,23 @@ def _reference_step(stages: list[StageModule], x: torch.Tensor, y: torch.Tensor)
     return [float(v) for v in losses]
 
 
-def reference_backward_flops(module: StageModule, first: bool, last: bool) -> tuple[int, int]:
+def reference_backward_flops(module: nn.Module, first: bool, last: bool, layout: str = "float") -> tuple[int, int]:
     """(input-gradient-only, full) backward FLOPs of one microbatch through the eager ``module``.
 
     Eager ``autograd.grad`` w.r.t. the input alone skips every weight-gradient
-    matmul, so the first number is what B may cost and no more.
+    matmul, so the first number is what B may cost and no more (0 for the
+    first stage, whose input needs no gradient).
     """
-    x = torch.randn(MB_BATCH, SEQ, D_MODEL, requires_grad=not first)
+    if layout == "lm" and first:
+        x = torch.randint(0, VOCAB, (MB_BATCH, SEQ))
+    else:
+        x = torch.randn(MB_BATCH, SEQ, D_MODEL, requires_grad=not first)
     params = list(module.parameters())
 
     def outputs() -> tuple[torch.Tensor, torch.Tensor | None]:
         out = module(x)
+        if last and layout == "lm":
+            return lm_loss_fn(out, torch.zeros(out.shape[:-1], dtype=torch.long)), None
         if last:
             return loss_fn(out, torch.zeros_like(out)), None
         return out, torch.ones_like(out)
@@ -270,19 +335,20 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
 
     torch._dynamo.reset()
     stage_ids, n_stages = stage_ids_for(case.schedule, rank, world)
-    reference = build_reference(n_stages)
+    reference = build_reference(n_stages, case.layout)
     modules = {s: copy.deepcopy(reference[s]) for s in stage_ids}
     backend = fxsplit.backend(compiler=case.compiler, fused_backward=case.fused_backward)
     for m in modules.values():
-        m.compile(backend=backend)  # in place: the schedules refuse OptimizedModule
+        compile_stage(m, case.layout, backend)
 
     stage_cls = make_recording_stage_class()
     stages = [stage_cls(modules[s], s, n_stages, torch.device("cpu")) for s in stage_ids]
     schedule_cls = getattr(schedules, case.schedule)
+    stage_loss = loss_for(case.layout)
     if case.schedule == "Schedule1F1B":
-        schedule = schedule_cls(stages[0], N_MICROBATCHES, loss_fn=loss_fn)
+        schedule = schedule_cls(stages[0], N_MICROBATCHES, loss_fn=stage_loss)
     else:
-        schedule = schedule_cls(stages, N_MICROBATCHES, loss_fn=loss_fn)
+        schedule = schedule_cls(stages, N_MICROBATCHES, loss_fn=stage_loss)
 
     ref_opt = torch.optim.SGD([p for m in reference for p in m.parameters()], lr=LR)
     opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=LR)
@@ -290,8 +356,8 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
     step_losses = []
     grads_checked = 0
     for step in range(N_STEPS):
-        x, y = make_data(step)
-        ref_losses = _reference_step(reference, x, y)
+        x, y = make_data(step, case.layout)
+        ref_losses = _reference_step(reference, x, y, case.layout)
         for st in stages:
             st.actions.clear()
         losses: list[torch.Tensor] = []
@@ -301,15 +367,15 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
         if has_last:
             got = [float(v.detach()) for v in losses]
             torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{case.schedule} step {step}: microbatch losses differ: {m}")
+                                       msg=lambda m: f"{case.key} step {step}: microbatch losses differ: {m}")
             step_losses.append(got)
         for s, m in modules.items():
             for (name, p), (_, rp) in zip(m.named_parameters(), reference[s].named_parameters(), strict=True):
                 grads_checked += 1
-                assert p.grad is not None, f"{case.schedule} step {step}: stage {s} {name}: no gradient"
+                assert p.grad is not None, f"{case.key} step {step}: stage {s} {name}: no gradient"
                 torch.testing.assert_close(
                     p.grad, rp.grad, rtol=1e-4, atol=1e-5,
-                    msg=lambda msg, s=s, name=name: f"{case.schedule} step {step}: stage {s} {name}.grad: {msg}")
+                    msg=lambda msg, s=s, name=name: f"{case.key} step {step}: stage {s} {name}.grad: {msg}")
         opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.step()
@@ -317,6 +383,8 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
 
     return {
         "schedule": case.schedule,
+        "layout": case.layout,
+        "key": case.key,
         "rank": rank,
         "stages": stage_ids,
         "n_stages": n_stages,
@@ -325,7 +393,9 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
         # actions of the last step only (the first step also compiles)
         "actions": [a for st in stages for a in st.actions],
         "weight_grad_flops": {s: weight_grad_flops(m) for s, m in modules.items()},
-        "reference_flops": {s: reference_backward_flops(reference[s], s == 0, s == n_stages - 1) for s in stage_ids},
+        "reference_flops": {
+            s: reference_backward_flops(reference[s], s == 0, s == n_stages - 1, case.layout) for s in stage_ids
+        },
     }
 
 

@@ -113,10 +113,15 @@ def _check_split_actions(case: DPCase, replica: list[dict[str, Any]]) -> collect
             input_only, full = r["reference_flops"][s]
             runs = (a["fused_runs"], a["di_runs"], a["dw_runs"])
             where = f"{case.name}: stage {s} {kind}{a['mb']}: {a}"
-            if kind == "B" or (kind == "W" and s == 0):  # full backward: the fused compiled backward
+            # stage 0's W: the weight matmuls and the first qkv's dX, which only ln1's weight
+            # gradient needs (test_pipelining.first_stage_w_flops); its I the rest
+            first_w = r["weight_grad_flops"][s] + 2 * ph.MB_BATCH * ph.SEQ * ph.D_MODEL * 3 * ph.D_MODEL
+            if kind == "B":  # full backward: the fused compiled backward
                 assert runs == (k, 0, 0) and a["flops"] == full, where
-            elif kind == "I" and s == 0:  # first stage: nothing needs an input gradient
-                assert runs == (0, 0, 0) and a["flops"] == 0, where
+            elif kind == "I" and s == 0:  # first stage: the activation-gradient chain
+                assert runs == (0, k, 0) and a["flops"] == full - first_w, where
+            elif kind == "W" and s == 0:
+                assert runs == (0, 0, k) and a["flops"] == first_w, where
             elif kind == "I":
                 assert runs == (0, k, 0) and a["flops"] == input_only, where
             elif kind == "W":
@@ -134,8 +139,8 @@ def _check_split_totals(case: DPCase, replica: list[dict[str, Any]]) -> None:
     n_stages, mbs = replica[0]["n_stages"], ph.N_MICROBATCHES
     k = _regions_per_stage(case, n_stages)
     if case.schedule in SPLIT_SCHEDULES:
-        # every non-first stage's W ran its compiled dW graphs, the first stage's W its fused backward
-        expected = {"di_runs": (n_stages - 1) * mbs * k, "dw_runs": (n_stages - 1) * mbs * k, "fused_runs": mbs * k}
+        # every stage, the first included, ran its dI graphs at I and its dW graphs at W
+        expected = {"di_runs": n_stages * mbs * k, "dw_runs": n_stages * mbs * k, "fused_runs": 0}
     else:
         expected = {"di_runs": 0, "dw_runs": 0, "fused_runs": n_stages * mbs * k}
     assert dict(totals) == expected, case.name
@@ -174,8 +179,8 @@ def test_gradient_sync_once_per_step(dp_world: dict[str, list[dict[str, Any]]], 
             assert "allreduce_" not in counts and "broadcast_" not in counts, where
             gathers = labels.get("_allgather_base_", [])
             assert not any("REDUCE_GRAD" in label for label in gathers), where
-            # W of a stage other than the first does no FSDP work: no hook runs there
-            assert not any(":W" in label and not label.startswith("0:") for label in gathers), where
+            # no W does FSDP work (stage 0's included, now that its I runs the chain): no hook runs there
+            assert not any(":W" in label for label in gathers), where
             n_groups = sum(r["n_fsdp_groups"].values())
             if case.reshard_after_forward:
                 assert len(gathers) > n_groups, where  # resharded after each forward, gathered again

@@ -126,7 +126,7 @@ def test_mixed_stage_matches_autograd_and_computes_each_region_once(kind: str, f
     dinputs, work = box.pop("r")
     c1 = region_counters()
     assert all(p.grad is None for p in params), "B touched a weight gradient"
-    assert len(work.compiled) == (0 if first_stage else n_regions)
+    assert len(work.compiled) == n_regions
     w_flops = flops(lambda: fxsplit.stage_backward_weight(params, work))
     c2 = region_counters()
 
@@ -134,12 +134,10 @@ def test_mixed_stage_matches_autograd_and_computes_each_region_once(kind: str, f
     assert_grads_equal([p.grad for p in params], ref_dw)
     assert b_flops + w_flops == full, f"B {b_flops} + W {w_flops} != full backward {full}"
     assert w_flops > 0
-    if first_stage:
-        # Nothing needs input gradients: B does nothing, W runs each region's backward once, fused.
+    # A first stage too: each region's dI (the activation-gradient chain) at B, its dW at W.
+    # Only a stage with no region and no input gradient does nothing at B (upstream's way).
+    if first_stage and not n_regions:
         assert b_flops == 0
-        assert delta(c0, c1, "fused_runs") == {} and delta(c0, c1, "di_runs") == {}
-        assert sorted(delta(c1, c2, "fused_runs").values()) == [1] * n_regions
-        assert delta(c1, c2, "di_runs") == {} and delta(c1, c2, "dw_runs") == {}
     else:
         assert b_flops > 0
         assert sorted(delta(c0, c1, "di_runs").values()) == [1] * n_regions

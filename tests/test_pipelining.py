@@ -1,9 +1,16 @@
 """fxsplit stages on torch.distributed.pipelining schedules: real 2-rank gloo runs on CPU.
 
-One spawned world runs every schedule with the ``"eager"`` inner compiler
-(:mod:`pipeline_harness` does the in-rank numerics against a non-pipelined
-eager reference and records every backward action); one more world runs
-ZB-V with Inductor.
+One spawned world runs every schedule with the ``"eager"`` inner compiler on
+the ``"float"`` layout, and the zero-bubble schedules on the ``"lm"`` layout
+(token ids through an eager embedding on stage 0, an eager head and
+cross-entropy over the last stage's compiled body); :mod:`pipeline_harness`
+does the in-rank numerics against a non-pipelined eager reference and records
+every backward action. One more world runs ZB-V with Inductor.
+
+Every stage's ``I`` runs its compiled dI graph and ``W`` its dW graph, stage 0
+included (upstream's stage skips stage 0's ``I`` and runs a full backward at
+its ``W``; fxsplit's balances it): ``W`` does exactly the weight-gradient
+matmuls, ``I`` the rest of ordinary backward.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pipeline_harness as harness  # noqa: E402
 
 ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+LM_SCHEDULES = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+TOKENS = harness.MB_BATCH * harness.SEQ
 
 
 def _skip_where_upstream_fails(schedule: str) -> None:
@@ -32,13 +41,16 @@ def _skip_where_upstream_fails(schedule: str) -> None:
 
 @pytest.fixture(scope="module")
 def eager_world() -> dict[str, list[dict[str, Any]]]:
-    """schedule name -> per-rank results, from one 2-rank world running all schedules."""
-    per_rank = harness.run_world([harness.Case(name) for name in harness.RUNNABLE_SCHEDULES], timeout_s=240)
-    by_schedule: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    """case key (schedule name, or ``"<schedule>:lm"``) -> per-rank results, from one
+    2-rank world running every case this torch can run."""
+    cases = [harness.Case(name) for name in harness.RUNNABLE_SCHEDULES]
+    cases += [harness.Case(name, layout="lm") for name in LM_SCHEDULES if name in harness.RUNNABLE_SCHEDULES]
+    per_rank = harness.run_world(cases, timeout_s=300)
+    by_key: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for rank_results in per_rank:
         for result in rank_results:
-            by_schedule[result["schedule"]].append(result)
-    return by_schedule
+            by_key[result["key"]].append(result)
+    return by_key
 
 
 def _check_losses_and_grads(results: list[dict[str, Any]]) -> None:
@@ -52,13 +64,24 @@ def _check_losses_and_grads(results: list[dict[str, Any]]) -> None:
     assert len(last[0]["losses"]) == harness.N_STEPS
     assert all(len(step) == harness.N_MICROBATCHES for step in last[0]["losses"])
     assert last[0]["losses"][0] != last[0]["losses"][1], "the optimizer step between steps had no effect"
-    n_params = sum(len(list(m.parameters())) for m in harness.build_reference(n_stages))
+    layout = results[0].get("layout", "float")  # test_data_parallel's results carry none
+    n_params = sum(len(list(m.parameters())) for m in harness.build_reference(n_stages, layout))
     assert sum(r["grads_checked"] for r in results) == n_params * harness.N_STEPS
+
+
+def first_stage_w_flops(result: dict[str, Any]) -> int:
+    """What stage 0's W computes: the weight-gradient matmuls, and in the "float"
+    layout (a float input needing no gradient, straight into a compiled block) also
+    the first qkv projection's dX, which only ln1's weight gradient needs: the
+    first-stage split puts work that only weights need in W."""
+    extra = 2 * TOKENS * harness.D_MODEL * 3 * harness.D_MODEL if result["layout"] == "float" else 0
+    return result["weight_grad_flops"][0] + extra
 
 
 def _check_backward_actions(schedule: str, results: list[dict[str, Any]]) -> dict[str, int]:
     """Every (stage, microbatch) got exactly one full backward or one I and one W; I/W did only
-    their half (counters and FLOPs); returns counter totals over all ranks."""
+    their half (counters and FLOPs), on stage 0 as on every other; returns counter totals over
+    all ranks."""
     n_stages = results[0]["n_stages"]
     seen: dict[tuple[int, int], list[str]] = collections.defaultdict(list)
     totals = collections.Counter()
@@ -73,16 +96,17 @@ def _check_backward_actions(schedule: str, results: list[dict[str, Any]]) -> dic
                 assert (a["fused_runs"], a["di_runs"], a["dw_runs"]) == (1, 0, 0), where
                 assert a["flops"] == full, where
             elif kind == "I" and s == 0:
-                # first stage: nothing upstream needs an input gradient, B does no work
-                assert (a["fused_runs"], a["di_runs"], a["dw_runs"], a["flops"]) == (0, 0, 0, 0), where
+                # first stage: the activation-gradient chain (dI graph), everything but W's part
+                assert (a["fused_runs"], a["di_runs"], a["dw_runs"]) == (0, 1, 0), where
+                assert a["flops"] == full - first_stage_w_flops(r) > 0, where
             elif kind == "I":
                 assert (a["fused_runs"], a["di_runs"], a["dw_runs"]) == (0, 1, 0), where
                 # exactly the FLOPs of an eager input-gradient-only backward: no weight-gradient matmul
                 assert a["flops"] == input_only, where
             elif kind == "W" and s == 0:
-                # first stage: the whole backward runs here, once (the fused compiled backward)
-                assert (a["fused_runs"], a["di_runs"], a["dw_runs"]) == (1, 0, 0), where
-                assert a["flops"] == full, where
+                # first stage: the dW graph only (and an eager embedding's backward, no FLOPs)
+                assert (a["fused_runs"], a["di_runs"], a["dw_runs"]) == (0, 0, 1), where
+                assert a["flops"] == first_stage_w_flops(r), where
             elif kind == "W":
                 assert (a["fused_runs"], a["di_runs"], a["dw_runs"]) == (0, 0, 1), where
                 assert a["flops"] == r["weight_grad_flops"][s] == full - input_only, where
@@ -101,20 +125,41 @@ def test_schedule_matches_reference(eager_world: dict[str, list[dict[str, Any]]]
     _check_losses_and_grads(eager_world[schedule])
 
 
-@pytest.mark.parametrize("schedule", harness.SCHEDULES)
-def test_backward_actions_split(eager_world: dict[str, list[dict[str, Any]]], schedule: str) -> None:
-    _skip_where_upstream_fails(schedule)
-    results = eager_world[schedule]
+@pytest.mark.parametrize("key", [f"{s}:lm" for s in LM_SCHEDULES])
+def test_lm_layout_matches_reference(eager_world: dict[str, list[dict[str, Any]]], key: str) -> None:
+    _skip_where_upstream_fails(key.split(":")[0])
+    _check_losses_and_grads(eager_world[key])
+
+
+def _check_totals(schedule: str, results: list[dict[str, Any]]) -> None:
     totals = _check_backward_actions(schedule, results)
     n_stages = results[0]["n_stages"]
     mbs = harness.N_MICROBATCHES
     if schedule in ("Schedule1F1B", "ScheduleInterleaved1F1B"):
         assert totals == {"di_runs": 0, "dw_runs": 0, "fused_runs": n_stages * mbs}
     elif schedule in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
-        # every non-first stage's W ran its compiled dW graph, once per microbatch
-        assert totals == {"di_runs": (n_stages - 1) * mbs, "dw_runs": (n_stages - 1) * mbs, "fused_runs": mbs}
+        # every stage, the first included, ran its dI graph at I and its dW graph at W, once per microbatch
+        assert totals == {"di_runs": n_stages * mbs, "dw_runs": n_stages * mbs, "fused_runs": 0}
     else:  # DualPipeV mixes full backwards (overlapped with forwards) and I/W pairs
         assert totals["dw_runs"] == totals["di_runs"] > 0
+
+
+@pytest.mark.parametrize("schedule", harness.SCHEDULES)
+def test_backward_actions_split(eager_world: dict[str, list[dict[str, Any]]], schedule: str) -> None:
+    _skip_where_upstream_fails(schedule)
+    _check_totals(schedule, eager_world[schedule])
+
+
+@pytest.mark.parametrize("schedule", LM_SCHEDULES)
+def test_lm_layout_backward_actions_split(eager_world: dict[str, list[dict[str, Any]]], schedule: str) -> None:
+    """Stage 0 (token ids through an eager embedding): I runs the body's dI graph, whose
+    input gradient W hands to the embedding's backward; the last stage (eager head and
+    cross-entropy over the compiled body): I the head's input gradient and the dI graph,
+    W the head's weight gradient and the dW graph."""
+    _skip_where_upstream_fails(schedule)
+    results = eager_world[f"{schedule}:lm"]
+    assert {r["layout"] for r in results} == {"lm"}
+    _check_totals(schedule, results)
 
 
 def test_zbv_with_inductor() -> None:
@@ -128,11 +173,11 @@ def test_zbv_with_inductor() -> None:
     for r in results:
         for a in r["actions"]:
             totals.update({k: a[k] for k in ("di_runs", "dw_runs", "fused_runs")})
-            if a["kind"] == "W" and a["stage"] != 0:
+            if a["kind"] == "W":
                 assert (a["dw_runs"], a["di_runs"], a["fused_runs"]) == (1, 0, 0), a
-            if a["kind"] == "I" and a["stage"] != 0:
+            if a["kind"] == "I":
                 assert (a["dw_runs"], a["di_runs"], a["fused_runs"]) == (0, 1, 0), a
-    assert dict(totals) == {"di_runs": (n_stages - 1) * mbs, "dw_runs": (n_stages - 1) * mbs, "fused_runs": mbs}
+    assert dict(totals) == {"di_runs": n_stages * mbs, "dw_runs": n_stages * mbs, "fused_runs": 0}
 
 
 def test_in_place_compile_is_not_an_optimized_module() -> None:

@@ -231,7 +231,7 @@ def test_hooks_on_an_inductor_stage() -> None:
 
 @pytest.mark.parametrize("mode", FAST_MODES)
 def test_hooks_on_a_first_stage(mode: str) -> None:
-    """Inputs need no gradient: W runs the whole backward; hooks fire there, once."""
+    """Inputs need no gradient: B runs the chain, W the weight gradients; hooks fire at W, once."""
     torch.manual_seed(0)
     model = TwoLayer()
     ref = copy.deepcopy(model)

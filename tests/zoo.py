@@ -6,7 +6,7 @@ Each :class:`Case` has a ``name``, a ``factory`` returning a fresh
 
 * ``"inductor"``: part of the real-Inductor subset (kept small: Inductor's C++
   compile is slow on CPU); every case also runs with ``compiler="eager"``.
-* ``"first_stage"``: no example input requires grad (B has nothing to do).
+* ``"first_stage"``: no example input requires grad (B runs only the activation-gradient chain).
 * ``"random"``: the forward draws random numbers (dropout); compiled and eager
   masks differ, so plain numerics against eager do not apply.
 * ``"autocast"``: run the forward under ``torch.autocast("cpu", torch.bfloat16)``.
