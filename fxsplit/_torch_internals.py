@@ -3,7 +3,9 @@
 AOTAutograd, Inductor and autograd-engine internals change between releases.
 Each helper below names what it relies on, so supporting a new torch release
 means reading (and, if needed, changing) this file only. Tested on
-torch 2.11 - 2.14.
+torch 2.13.0 (CI), 2.15.0 and 2.11.0 (CPU; README "Known limitations" lists
+what fails where). Differences between releases handled here are
+feature-detected: :func:`function_nodes_outlive_their_graph` (torch 2.11).
 """
 
 from __future__ import annotations
