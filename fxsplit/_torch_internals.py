@@ -5,7 +5,8 @@ Each helper below names what it relies on, so supporting a new torch release
 means reading (and, if needed, changing) this file only. Tested on
 torch 2.13.0 (CI), 2.15.0 and 2.11.0 (CPU; README "Known limitations" lists
 what fails where). Differences between releases handled here are
-feature-detected: :func:`function_nodes_outlive_their_graph` (torch 2.11).
+feature-detected: :func:`function_nodes_outlive_their_graph` (torch 2.11),
+:func:`fsdp_has_manual_backward_finalization` (torch 2.15).
 """
 
 from __future__ import annotations
@@ -420,6 +421,29 @@ def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Par
                 mapping[id(fsdp_param.sharded_param)] = unsharded
                 mapping[id(unsharded)] = unsharded
     return mapping
+
+
+def fsdp_has_manual_backward_finalization() -> bool:
+    """Whether FSDP2 has manual backward finalization
+    (``FSDPModule.set_manual_backward_finalization`` / ``finalize_backward``).
+
+    What changed between releases: up to torch 2.13, upstream's
+    ``PipelineStage.perform_reduce_grad`` (the schedule's ``REDUCE_GRAD``) reaches
+    into FSDP's private state and runs ``FSDPParamGroup.post_backward`` for every
+    group, then ``FSDPState._root_post_backward_final_callback``, whatever the
+    stage had done before. From torch 2.15, FSDP has a public protocol for this:
+    the stage enables manual finalization before forward (upstream's
+    ``forward_one_chunk``, only when ``has_backward``), every backward leaves its
+    groups ``_post_backward_pending``, and ``REDUCE_GRAD`` calls
+    ``finalize_backward(async_op=True)`` (``start_gradient_reduction``, which
+    multi-stage schedules call instead of ``perform_reduce_grad``, and
+    ``wait_for_gradient_reduction`` at ``WAIT_REDUCE_GRAD``); without manual
+    finalization enabled before forward, ``perform_reduce_grad`` reduces nothing.
+    Public API, detected by attribute, not by version.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "finalize_backward") and hasattr(FSDPModule, "set_manual_backward_finalization")
 
 
 def is_fsdp_replicate_module(module: torch.nn.Module) -> bool:

@@ -193,6 +193,48 @@ class PipelineStage(_UpstreamPipelineStage):
                 ", ".join(skipped),
             )
         super().__init__(submodule, *args, **kwargs)
+        # FSDP2 with manual backward finalization (torch >= 2.15): set by a forward that
+        # enabled it, cleared by perform_reduce_grad (see forward_maybe_with_nosync).
+        self._fsdp_finalization_armed = False
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        """Upstream's forward, with FSDP2's manual backward finalization enabled first
+        where torch has it (2.15 on; :func:`~fxsplit._torch_internals.fsdp_has_manual_backward_finalization`).
+
+        From torch 2.15, ``REDUCE_GRAD`` reduces FSDP gradients through
+        ``finalize_backward``, which needs the mode enabled before the forward;
+        upstream's ``forward_one_chunk`` enables it only when ``has_backward``, and
+        its ``perform_reduce_grad`` finalizes only then. This stage turns FSDP's
+        gradient sync off for every backward (``backward_maybe_with_nosync``), so
+        ``perform_reduce_grad`` is the one place its gradients are ever reduced,
+        whoever drives the stage: it enables the mode for every forward that
+        records a graph, and :meth:`perform_reduce_grad` finalizes what it armed.
+        """
+        if self._data_parallel == "fsdp" and torch.is_grad_enabled() and ti.fsdp_has_manual_backward_finalization():
+            self.submod.set_manual_backward_finalization(True)  # type: ignore[operator]
+            self._fsdp_finalization_armed = True
+        return super().forward_maybe_with_nosync(*args, **kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """Upstream's ``REDUCE_GRAD``: FSDP2 reduce-scatters the gradients accumulated
+        over the step (once per parameter group), reshards, then the gradients are
+        scaled by ``1 / grad_scale_factor``.
+
+        torch <= 2.13: upstream's own (it runs every FSDP group's post-backward).
+        torch >= 2.15: ``start_gradient_reduction`` then ``wait_for_gradient_reduction``
+        (``finalize_backward``) whenever a forward armed manual finalization, also
+        when the stage is driven without a schedule (``has_backward`` unset), where
+        upstream's would reduce nothing and leave the sharded gradients ``None``.
+        Multi-stage schedules of torch >= 2.15 call upstream's
+        ``start_gradient_reduction``/``wait_for_gradient_reduction`` directly instead.
+        """
+        armed, self._fsdp_finalization_armed = self._fsdp_finalization_armed, False
+        if self._data_parallel == "fsdp" and armed and not self.has_backward:
+            # what upstream's does when has_backward (a schedule drives the stage)
+            self.start_gradient_reduction()
+            self.wait_for_gradient_reduction(grad_scale_factor)
+            return
+        super().perform_reduce_grad(grad_scale_factor)
 
     def _compute_outputs(self, *args: Any, module: torch.nn.Module, **kwargs: Any) -> Any:
         """The forward of upstream's shape inference (first step), under DDP's ``no_sync``.
@@ -339,6 +381,7 @@ class PipelineStage(_UpstreamPipelineStage):
             # Accumulate unsharded gradients over the step; perform_reduce_grad
             # (the schedule's REDUCE_GRAD, after the last W/B) reduce-scatters once.
             fsdp = self.submod
+            # (torch >= 2.15: manual finalization, enabled at forward, supersedes this)
             fsdp.set_is_last_backward(False)  # type: ignore[operator]
             fsdp.set_reshard_after_backward(False)  # type: ignore[operator]
             fsdp.set_requires_gradient_sync(False)  # type: ignore[operator]

@@ -109,6 +109,16 @@ def make_dp_stage_class() -> type:
             with _labelled(f"{self.stage_index}:REDUCE_GRAD"):
                 super().perform_reduce_grad(grad_scale_factor)
 
+        # torch >= 2.15: multi-stage schedules run REDUCE_GRAD for FSDP stages as these two
+        # (the reduce-scatters start in the first), not as perform_reduce_grad; never called before
+        def start_gradient_reduction(self) -> None:
+            with _labelled(f"{self.stage_index}:REDUCE_GRAD"):
+                super().start_gradient_reduction()
+
+        def wait_for_gradient_reduction(self, grad_scale_factor: int) -> None:
+            with _labelled(f"{self.stage_index}:WAIT_REDUCE_GRAD"):
+                super().wait_for_gradient_reduction(grad_scale_factor)
+
     return DPStage
 
 
