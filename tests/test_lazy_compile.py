@@ -19,18 +19,12 @@ import torch
 import torch.nn as nn
 
 import fxsplit
+from zoo import TwoLinear
 
 fxbackend = importlib.import_module("fxsplit.backend")  # the module: fxsplit.backend is also the function
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 8)
-        self.b = nn.Linear(8, 6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+MLP = TwoLinear
 
 
 @pytest.fixture

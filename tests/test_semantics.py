@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 import fxsplit
+from zoo import TwoLinear
 
 MODES = ["eager", "compiled", pytest.param("inductor", marks=pytest.mark.inductor)]
 FAST_MODES = ["eager", "compiled"]
@@ -45,14 +46,7 @@ class Body(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-class TwoLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 8)
-        self.b = nn.Linear(8, 6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+TwoLayer = TwoLinear
 
 
 class SharedTwoRegions(nn.Module):

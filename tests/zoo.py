@@ -88,6 +88,19 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class TwoLinear(nn.Module):
+    """Linear(6, 8), ReLU, Linear(8, 6): the smallest stage with two weights in a row, for
+    tests of semantics (hooks, accumulation, compile counts) rather than numerics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
 class LayerNormLinear(nn.Module):
     def __init__(self, d: int = 8) -> None:
         super().__init__()
