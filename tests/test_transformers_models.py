@@ -115,11 +115,7 @@ class HFCase:
         return Middle(base(config)) if self.stage == "middle" else Last(with_loss(config))
 
     def inputs(self, seq: int) -> tuple[torch.Tensor, ...]:
-        gen = torch.Generator().manual_seed(seq)
-        x = torch.randn(BATCH, seq, DIM, generator=gen).requires_grad_()
-        if self.stage == "middle":
-            return (x,)
-        return x, torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+        return zoo.stage_inputs(self.stage, seq, dim=DIM, vocab=VOCAB, batch=BATCH)
 
     def context(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

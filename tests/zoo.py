@@ -499,6 +499,16 @@ BLOCKS: dict[str, Callable[[], tuple[nn.Module, nn.Module]]] = {
 }
 
 
+def stage_inputs(stage: str, seq: int, dim: int = DIM, vocab: int = VOCAB, batch: int = BATCH) -> tuple[torch.Tensor, ...]:
+    """Deterministic inputs of a ``"middle"`` stage (hidden states that require grad) or a
+    ``"last"`` one (hidden states and target token ids) at sequence length ``seq``."""
+    gen = torch.Generator().manual_seed(seq)
+    x = torch.randn(batch, seq, dim, generator=gen).requires_grad_()
+    if stage == "middle":
+        return (x,)
+    return x, torch.randint(0, vocab, (batch, seq), generator=gen)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageCase:
     """A transformer-style pipeline stage run at the sequence lengths ``seqs`` in a row.
@@ -534,11 +544,7 @@ class StageCase:
 
     def inputs(self, seq: int) -> tuple[torch.Tensor, ...]:
         """Deterministic stage inputs for sequence length ``seq``."""
-        gen = torch.Generator().manual_seed(seq)
-        x = torch.randn(BATCH, seq, DIM, generator=gen).requires_grad_()
-        if self.stage == "middle":
-            return (x,)
-        return x, torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+        return stage_inputs(self.stage, seq)
 
     def context(self) -> contextlib.AbstractContextManager[None]:
         """The context the forward runs in."""
