@@ -21,7 +21,9 @@ work). :meth:`PendingWeightGrads.run` is W:
    accumulation is autograd's own: tensor hooks and post-accumulate-grad
    hooks fire once per weight, ``.grad`` gets the parameter's layout and
    ``grad_dtype``, accumulates in place, and never aliases a tensor someone
-   else holds. One call per eager weight group (a call would otherwise re-run
+   else holds. The compiled gradients reach the accumulators through one
+   :class:`_HandOver` node that keeps no reference to them, so an empty
+   ``.grad`` takes W's gradient without a copy, as after ordinary backward. One call per eager weight group (a call would otherwise re-run
    input-gradient work between groups) and one for the weights only compiled
    regions reach; a stage without eager weights commits in one call.
 3. If a commit raises (a hook, out of memory, ``KeyboardInterrupt``), the
@@ -106,6 +108,69 @@ class WeightCommit:
     pins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = dataclasses.field(default_factory=list)
 
 
+class _HandOver(torch.autograd.Function):
+    """An autograd node whose backward returns W's gradients for leaf weights
+    and keeps no reference to them.
+
+    A gradient given to the engine as a root is also referenced by the caller,
+    and ``AccumulateGrad`` copies a gradient that someone else references into
+    an empty ``.grad`` (so that ``.grad`` never aliases a tensor somebody
+    holds). Handed over by this node, W's gradient is referenced by the engine
+    only, so ``AccumulateGrad`` takes it as it takes the compiled backward's
+    output after ordinary backward: the first microbatch's W does not copy
+    every weight gradient. A gradient anyone else still references is copied,
+    as autograd always does."""
+
+    @staticmethod
+    def forward(ctx: Any, holder: list[torch.Tensor], *weights: torch.Tensor) -> torch.Tensor:
+        ctx.holder = holder
+        return torch.empty(())
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        holder = ctx.holder
+        del ctx.holder
+        grads = tuple(holder)
+        holder.clear()
+        return (None, *grads)
+
+
+def _hand_over(commit: WeightCommit) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+    """The roots and gradients of ``commit``'s engine call, with every
+    gradient that is the only one for a plain leaf weight moved out of
+    ``commit`` into one :class:`_HandOver` root (see there). Gradients of
+    weights with several roots (the engine sums them) and eager starts stay
+    roots as they are."""
+    weight_of = {acc: w for w, acc in zip(commit.weights, commit.accumulators)}
+    count: dict[Node, int] = {}
+    for edge in commit.roots:
+        count[edge.node] = count.get(edge.node, 0) + 1
+    chosen = [
+        k
+        for k, (edge, g) in enumerate(zip(commit.roots, commit.grads))
+        if count[edge.node] == 1
+        and (w := weight_of.get(edge.node)) is not None
+        and w.is_leaf
+        and type(w) in (torch.nn.Parameter, torch.Tensor)
+        and type(g) is torch.Tensor
+    ]
+    if not chosen or ti.compiled_autograd_enabled():  # it traces backward with a stand-in ctx
+        return commit.roots, commit.grads
+    weights = [weight_of[commit.roots[k].node] for k in chosen]
+    holder = [commit.grads[k] for k in chosen]
+    with torch.enable_grad():
+        out = _HandOver.apply(holder, *weights)
+    node = out.grad_fn
+    if node is None or any(node.next_functions[i][0] is not commit.roots[k].node for i, k in enumerate(chosen)):
+        holder.clear()  # not the accumulators W commits to: keep the plain roots
+        return commit.roots, commit.grads
+    picked = set(chosen)
+    # Drop commit's own references (in place: callers may hold these lists).
+    commit.roots[:] = [e for k, e in enumerate(commit.roots) if k not in picked]
+    commit.grads[:] = [g for k, g in enumerate(commit.grads) if k not in picked]
+    return [GradientEdge(node, 0), *commit.roots], [torch.ones(()), *commit.grads]
+
+
 def commit_weight_grads(commit: WeightCommit, committed: set[int]) -> None:
     """Accumulate into ``.grad`` through autograd: the only place W changes ``.grad``.
 
@@ -134,9 +199,10 @@ def commit_weight_grads(commit: WeightCommit, committed: set[int]) -> None:
                 before.append((id(w), g, -1 if g is None else g._version))
         for node, saved in commit.pins:
             handles.append(node.register_prehook(lambda _grads, saved=saved: saved))
+        roots, grads = _hand_over(commit)
         # inputs= as edges to the accumulators: the same as the weights, without
         # looking each accumulator up again.
-        ti.engine_backward(commit.roots, commit.grads, [GradientEdge(acc, 0) for acc in commit.accumulators])
+        ti.engine_backward(roots, grads, [GradientEdge(acc, 0) for acc in commit.accumulators])
     finally:
         for h in handles:
             h.remove()
@@ -152,6 +218,8 @@ def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its memory exactly once (no overlap, no
     gaps) in some order of its dimensions, as a transposed ``.grad`` does and
     an expanded one does not."""
+    if t.is_contiguous():
+        return True
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
         if stride != expected:
@@ -539,6 +607,21 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         return result
 
     def _compute_and_commit(self, fused_accumulation: bool | None = None) -> None:
+        # The commits are built in their own frame: once it returns, the
+        # commits hold the only references to W's gradients (see _HandOver).
+        commits = self._compute(fused_accumulation)
+        blocked = [n for n in (r() for r in self._split_regions) if n is not None]
+        t0 = time.perf_counter_ns()
+        try:
+            with registered(blocked, SPLIT_DONE):
+                while commits:
+                    commit_weight_grads(commits.pop(0), self._committed)
+        finally:
+            self.timings["w_commit_ns"] += time.perf_counter_ns() - t0
+
+    def _compute(self, fused_accumulation: bool | None) -> list[WeightCommit]:
+        """Steps 0-2 of W (module docstring): the in-graph accumulation, and
+        the commits that remain."""
         wanted = {id(w) for w in self._weights if w.requires_grad and id(w) not in self._committed}
         # 0. the dW graphs that accumulate into .grad, compiled on first use:
         # a compile error here changes nothing.
@@ -597,15 +680,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     roots.append(GradientEdge(acc, 0))
                     values.append(g)
             commits.append(WeightCommit(roots, values, [w for w, _ in rest_weights], [a for _, a in rest_weights]))
-        del compiled, by_id
-        blocked = [n for n in (r() for r in self._split_regions) if n is not None]
-        t0 = time.perf_counter_ns()
-        try:
-            with registered(blocked, SPLIT_DONE):
-                while commits:
-                    commit_weight_grads(commits.pop(0), self._committed)
-        finally:
-            self.timings["w_commit_ns"] += time.perf_counter_ns() - t0
+        return commits
 
     def _release(self) -> None:
         for record in self.compiled:

@@ -286,6 +286,39 @@ def test_grad_never_aliases_the_callers_output_gradient(mode: str) -> None:
     assert_same_grads(model, ref)
 
 
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "eager"])
+def test_w_gives_its_own_gradients_to_an_empty_grad_without_a_copy(mode: str, monkeypatch: Any) -> None:
+    """After ordinary backward, AccumulateGrad takes the compiled backward's
+    output as an empty ``.grad``; W must do the same with the dW graph's
+    output rather than copy every weight gradient on a microbatch that starts
+    from ``.grad = None`` (autograd copies a gradient someone else references,
+    and a root gradient passed to the engine is referenced by its caller)."""
+    from fxsplit import pending
+
+    torch.manual_seed(0)
+    model = TwoLayer()
+    ref = copy.deepcopy(model)
+    (x,), (g,) = inputs(1), out_grads(1)
+    reference_grads(ref, [x], [g])
+    fn = prepare(model, mode)
+    params = list(model.parameters())
+    handed: set[int] = set()
+    original = pending._HandOver.backward
+
+    def spy(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out = original(ctx, grad)
+        handed.update(t.untyped_storage().data_ptr() for t in out if t is not None)
+        return out
+
+    monkeypatch.setattr(pending._HandOver, "backward", staticmethod(spy))
+    xi = x.clone().requires_grad_()
+    _, work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], params)
+    fxsplit.stage_backward_weight(params, work)
+    matrices = [p for p in params if p.dim() == 2]  # computed by the dW graph's matmuls
+    assert matrices and all(p.grad.untyped_storage().data_ptr() in handed for p in matrices)
+    assert_same_grads(model, ref)
+
+
 @pytest.mark.parametrize("mode", FAST_MODES)
 def test_parameter_returned_as_an_output(mode: str) -> None:
     """Every microbatch returns the same parameter: B must not refuse it later,
