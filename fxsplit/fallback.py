@@ -250,9 +250,13 @@ def _weight_nodes(
     """
     reachable = set(parents) | {r for r in roots if r is not None}
     by_variable: dict[int, Node] = {}
+    parameters: dict[int, None] = {}  # ids of the nn.Parameter leaves among them
     for node in reachable:
         if ti.is_accumulate_grad(node):
-            by_variable[id(getattr(node, "variable", None))] = node
+            variable = getattr(node, "variable", None)
+            by_variable[id(variable)] = node
+            if isinstance(variable, torch.nn.Parameter):
+                parameters[id(variable)] = None
     given = {id(w) for w in weights}
     node_of: dict[int, Node] = {}
     unreached: list[torch.Tensor] = []
@@ -264,11 +268,7 @@ def _weight_nodes(
             node_of[id(w)] = node
         else:
             unreached.append(w)
-    missing = sum(
-        1
-        for node in by_variable.values()
-        if isinstance(getattr(node, "variable", None), torch.nn.Parameter) and id(node.variable) not in given
-    )
+    missing = sum(1 for k in parameters if k not in given)
     return node_of, unreached, missing
 
 
@@ -311,6 +311,8 @@ def plan_eager_weight_work(
     """
     roots = [e.node for e in output_edges]
     parents = _reverse_edges(roots)
+    # Each node is asked once whether it is a split region (B and the per-weight walks ask often).
+    split = {n for n in (*roots, *parents) if n is not None and is_split_region(n)}
     node_of, unreached, missing = _weight_nodes(parents, roots, weights)
     if unreached and missing:
         raise ValueError(
@@ -342,7 +344,7 @@ def plan_eager_weight_work(
             outs.update(root_index.get(node, ()))
             for p in parents.get(node, ()):
                 if p in b_set:
-                    if node is w_node and skip_split_regions and is_split_region(p):
+                    if node is w_node and skip_split_regions and p in split:
                         continue  # that region's dW graph computes this gradient
                     inter[p] = None
                 elif p not in seen:
@@ -353,8 +355,8 @@ def plan_eager_weight_work(
             w_roots.update(dict.fromkeys(sorted(outs)))
             w_side.update(seen)
             starts.append((w, set(inter), outs))
-    eager = [n for n in intermediates if not is_split_region(n)]
-    regions = [n for n in intermediates if is_split_region(n)]
+    eager = [n for n in intermediates if n not in split]
+    regions = [n for n in intermediates if n in split]
     index_of = {n: k for k, n in enumerate(eager)}
     region_index_of = {n: k for k, n in enumerate(regions)}
     groups = _group_weights(starts, index_of, region_index_of, node_of)
@@ -368,7 +370,7 @@ def plan_eager_weight_work(
         groups,
         unreached=len(unreached),
         region_starts=regions,
-        split_regions=[n for n in b_set if is_split_region(n)],
+        split_regions=[n for n in b_set if n in split],
         w_side=w_side,
         rerun=rerun,
         release=release,
