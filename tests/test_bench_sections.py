@@ -36,6 +36,36 @@ def test_host_time_is_total_minus_graph_time_per_repetition() -> None:
     assert t["measured"] == pytest.approx(0.06) and t["pass"] is False and t["verdict"].startswith("MISS")
 
 
+def test_host_time_added_by_the_split_subtracts_the_ordinary_backwards_host_time() -> None:
+    host = [
+        {"b_ns": 3_000_000, "b_graph_ns": 2_500_000, "w_ns": 2_000_000, "w_graph_ns": 1_900_000},
+        {"b_ns": 4_000_000, "b_graph_ns": 3_000_000, "w_ns": 2_000_000, "w_graph_ns": 1_800_000},
+    ]
+    section = bench._host_section(host, _inductor([10.0, 20.0]), [0.0004, 0.0011])
+    assert section["samples"]["ordinary_host_ms"] == pytest.approx([0.4, 1.1])
+    assert section["added_fraction_of_inductor_backward"] == pytest.approx([0.02, 0.005])
+    t = bench._host_added_target(section)
+    assert t["measured"] == pytest.approx(0.0125) and t["pass"] is True
+    # without the ordinary backward's figures the target is not measured, never guessed
+    assert bench._host_added_target(bench._host_section(host, _inductor([10.0, 20.0]), [None, 0.001]))["verdict"] == "n/a"
+
+
+def test_ordinary_backward_host_time_is_backward_minus_fused_graph_time() -> None:
+    """The timed step reads the regions' fused graph time around fxsplit's ordinary backward."""
+    torch.manual_seed(0)
+    module = torch.compile(_Tiny(), backend=fxsplit.backend(compiler="eager"))
+    x = torch.randn(4, 8)
+    stage = Stage(module, lambda: x.clone().requires_grad_(True), ModelConfig(name="mlp"), "tiny")
+    grad = torch.randn(4, 8)
+    mode = bench.Mode("fxsplit", "fxsplit, ordinary backward", module, None, compiled="fxsplit")
+    bench._timed_step(mode, stage, grad, torch.device("cpu"))  # compile
+    before = bench._fused_graph_ns()
+    got: list = []
+    times = bench._timed_step(mode, stage, grad, torch.device("cpu"), ordinary_host=got)
+    spent = (bench._fused_graph_ns() - before) / 1e9
+    assert spent > 0 and len(got) == 1 and got[0] == pytest.approx(times["backward"] - spent)
+
+
 @pytest.mark.parametrize("host", [[None, None], []])
 def test_host_time_without_timings_is_na(host: list) -> None:
     section = bench._host_section(host, _inductor([1.0, 1.0]))
