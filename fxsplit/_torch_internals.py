@@ -2,10 +2,14 @@
 
 AOTAutograd, Inductor and autograd-engine internals change between releases.
 Each helper below names what it relies on, so supporting a new torch release
-means reading (and, if needed, changing) this file only. Tested on
-torch 2.13.0 (CI), 2.15.0 and 2.11.0 (CPU; README "Known limitations" lists
-what fails where). Differences between releases handled here are
-feature-detected: :func:`function_nodes_outlive_their_graph` (torch 2.11),
+means reading (and, if needed, changing) this file only. Tested on CPU:
+torch 2.13.0 (CI; the whole suite, 564 passed), 2.11.0 (the whole suite,
+528 passed, 36 skipped: goldens pinned to 2.13.0, and upstream failures,
+pytorch/pytorch#166577 and the V-shaped schedules with gloo) and 2.15.0
+(README "Known limitations" has the commands and counts). Differences
+between releases handled here are feature-detected:
+:func:`function_nodes_outlive_their_graph` (torch 2.11),
+:func:`_fsdp_state_param_groups` (torch 2.11),
 :func:`fsdp_has_manual_backward_finalization` (torch 2.15).
 """
 
@@ -402,7 +406,7 @@ def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Par
     modules for forward and backward, and back to the sharded DTensors when it
     reshards), so their grad accumulators are the ones weight gradients must
     reach; which of the two ``module.parameters()`` returns depends on when it
-    is called. Relies on ``fully_shard.state(m)._fsdp_param_groups[*].fsdp_params``
+    is called. Relies on the state's parameter groups (:func:`_fsdp_state_param_groups`)
     and ``FSDPParam.sharded_param`` / ``_unsharded_param`` (created by the first
     all-gather and reused afterwards); parameters not yet all-gathered are left out.
     """
@@ -413,7 +417,7 @@ def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Par
         if not isinstance(sub, FSDPModule):
             continue
         state = fully_shard.state(sub)  # type: ignore[attr-defined]
-        for group in getattr(state, "_fsdp_param_groups", ()):
+        for group in _fsdp_state_param_groups(state):
             for fsdp_param in group.fsdp_params:
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is None:
@@ -421,6 +425,30 @@ def fsdp_unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.nn.Par
                 mapping[id(fsdp_param.sharded_param)] = unsharded
                 mapping[id(unsharded)] = unsharded
     return mapping
+
+
+def _fsdp_state_param_groups(state: Any) -> list[Any]:
+    """The ``FSDPParamGroup`` objects of one ``fully_shard`` state (empty when the
+    module owns no parameters of its own).
+
+    What changed between releases: torch 2.11 keeps one optional group,
+    ``FSDPState._fsdp_param_group``; from 2.13 a state holds a list,
+    ``_fsdp_param_groups``, and ``_fsdp_param_group`` becomes a property that
+    raises when there is more than one. Detected by attribute, plural first.
+    Raises ``RuntimeError`` if neither exists (a torch that moved them again):
+    without the groups, B and W would be handed the sharded parameters, which
+    autograd never recorded.
+    """
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if hasattr(state, "_fsdp_param_group"):  # torch 2.11
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise RuntimeError(
+        "fxsplit: this torch's FSDPState has neither _fsdp_param_groups nor _fsdp_param_group; "
+        "fxsplit cannot find FSDP2's unsharded parameters (update fxsplit/_torch_internals.py)"
+    )
 
 
 def fsdp_has_manual_backward_finalization() -> bool:

@@ -307,9 +307,15 @@ def stage_backward_input(
     work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
     work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
     ran = sorted({r.region for r in call.records})
-    del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
     if retain:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
-        work.anchor(ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor))
+        anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]
+        if anchors:
+            # The anchors keep the graph above the intermediates alive too, which
+            # detaching the outputs frees everywhere else: free what it saved.
+            for node in plan.above:
+                ti.release_saved_tensors(node)
+        work.anchor(anchors)
+    del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
     for o in outs:
         if isinstance(o, torch.Tensor) and o.grad_fn is not None:
             setattr(o, _B_DONE, True)

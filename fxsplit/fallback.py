@@ -134,6 +134,10 @@ class EagerWeightPlan:
     B retains the graph, so their saved tensors are freed when B ends. Split
     regions are not listed: each frees its own when its dI graph has run,
     unless it is in ``rerun``.
+    ``above``: eager B-set nodes not below any intermediate, which W never
+    runs. Nothing holds them after B detaches the outputs, except an anchor
+    that keeps the outputs' graph alive (torch 2.11,
+    ``_torch_internals.graph_anchor``): B then frees their saved tensors.
     ``bottom_regions`` and ``captures``: for a first stage (no input node
     given), the split regions with no split region below them, and the edges
     into them B's autograd call captures the gradients of (see the module
@@ -149,6 +153,7 @@ class EagerWeightPlan:
     w_side: set[Node] = dataclasses.field(default_factory=set)
     rerun: set[Node] = dataclasses.field(default_factory=set)
     release: list[Node] = dataclasses.field(default_factory=list)
+    above: list[Node] = dataclasses.field(default_factory=list)
     bottom_regions: list[Node] = dataclasses.field(default_factory=list)
     captures: list[GradientEdge] = dataclasses.field(default_factory=list)
 
@@ -192,9 +197,10 @@ def _group_weights(
 
 def _rerun_and_release(
     intermediates: Sequence[Node], groups: Sequence[WeightGroup], b_set: set[Node], parents: dict[Node, list[Node]]
-) -> tuple[set[Node], list[Node]]:
-    """The B-set nodes whose saved tensors survive B, and the eager ones below
-    the intermediates that do not.
+) -> tuple[set[Node], list[Node], list[Node]]:
+    """The B-set nodes whose saved tensors survive B, the eager ones below
+    the intermediates that do not, and the eager ones above the intermediates
+    (``EagerWeightPlan.above``).
 
     Each group's W call starts at its intermediates (and at W-side edges,
     outside the B set) and executes every node on a path from there to one
@@ -205,7 +211,8 @@ def _rerun_and_release(
     An eager node is kept if it reaches any eager weight (a superset of what
     W runs), so that the graph B retains below an intermediate still serves
     another backward, as upstream's retained graph does. Nodes above the
-    intermediates are not listed: nothing holds them after B.
+    intermediates are returned apart: nothing holds them after B, unless the
+    graph is anchored (torch 2.11).
     """
     weights = [n for g in groups for n in g.accumulators]
     reaches_any_weight = _upward_closure(weights, parents)
@@ -219,7 +226,9 @@ def _rerun_and_release(
     rerun = set(intermediates) | {
         n for n in below_any if n in (passed if is_split_region(n) else reaches_any_weight)
     }
-    return rerun, [n for n in below_any if n not in rerun and not is_split_region(n)]
+    release = [n for n in below_any if n not in rerun and not is_split_region(n)]
+    above = [n for n in b_set if n not in below_any and not is_split_region(n)]
+    return rerun, release, above
 
 
 def _below_in(starts: Sequence[Node], b_set: set[Node]) -> dict[Node, None]:
@@ -362,8 +371,9 @@ def plan_eager_weight_work(
     groups = _group_weights(starts, index_of, region_index_of, node_of)
     rerun: set[Node] = set()
     release: list[Node] = []
+    above: list[Node] = []
     if eager:  # B retains the graph only for these
-        rerun, release = _rerun_and_release(eager, groups, b_set, parents)
+        rerun, release, above = _rerun_and_release(eager, groups, b_set, parents)
     return EagerWeightPlan(
         eager,
         list(w_roots),
@@ -374,6 +384,7 @@ def plan_eager_weight_work(
         w_side=w_side,
         rerun=rerun,
         release=release,
+        above=above,
         bottom_regions=bottom,
         captures=captures,
     )

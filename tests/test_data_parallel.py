@@ -354,6 +354,48 @@ def test_ddp_hooks_fire_at_the_last_w(one_rank: Any) -> None:
     assert runs.delta() == {"di_runs": len(xs), "dw_runs": len(xs), "fused_runs": 0}
 
 
+def test_fsdp_unsharded_parameters_cover_every_parameter(one_rank: Any) -> None:
+    """After a forward, every sharded parameter maps to the unsharded one autograd recorded
+    (on this torch's FSDPState layout), whichever of the two the module shows."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fxsplit import _torch_internals as ti
+
+    module = _stage_module()
+    for block in module.blocks:
+        fully_shard(block, reshard_after_forward=True)
+    fully_shard(module, reshard_after_forward=True)
+    out = module(torch.randn(ph.MB_BATCH, ph.SEQ, ph.D_MODEL))
+    recorded, seen, todo = set(), set(), [out.grad_fn]
+    while todo:  # the parameters autograd recorded: the variables of the graph's AccumulateGrad nodes
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            recorded.add(id(node.variable))
+        todo.extend(n for n, _ in node.next_functions)
+    params = list(module.parameters())
+    assert all(isinstance(p, DTensor) for p in params)  # resharded after forward: the sharded ones
+    mapping = ti.fsdp_unsharded_parameters(module)
+    assert {id(mapping.get(id(p))) for p in params} == recorded
+
+
+def test_fsdp_state_param_groups_on_both_layouts() -> None:
+    """torch 2.11's FSDPState holds one optional group, 2.13 on a list; an unknown layout is
+    an error, not an empty mapping (which would hand B and W the sharded parameters)."""
+    from types import SimpleNamespace
+
+    from fxsplit import _torch_internals as ti
+
+    g1, g2 = object(), object()
+    assert ti._fsdp_state_param_groups(SimpleNamespace(_fsdp_param_groups=[g1, g2])) == [g1, g2]
+    assert ti._fsdp_state_param_groups(SimpleNamespace(_fsdp_param_group=g1)) == [g1]
+    assert ti._fsdp_state_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    with pytest.raises(RuntimeError, match="neither _fsdp_param_groups nor _fsdp_param_group"):
+        ti._fsdp_state_param_groups(SimpleNamespace())
+
+
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_fsdp_split_reaches_unsharded_parameters(one_rank: Any, reshard_after_forward: bool) -> None:
     """B and W work on FSDP2's unsharded parameters (what autograd recorded), even when

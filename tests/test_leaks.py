@@ -14,6 +14,7 @@ import torch.nn as nn
 from stage_check import MODES, grads_like, prepare
 
 import fxsplit
+from fxsplit import _torch_internals
 
 
 class Stage(nn.Module):
@@ -211,13 +212,18 @@ def _stage(layout: str, dim: int) -> tuple[nn.Module, Any]:
     return model, model
 
 
+@pytest.mark.parametrize("anchored", [False, True], ids=["detected", "anchored"])
 @pytest.mark.parametrize("layout", ["middle", "last", "last_eager_ops", "graph_break"])
-def test_b_frees_everything_w_does_not_need(layout: str) -> None:
+def test_b_frees_everything_w_does_not_need(layout: str, anchored: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Between B and W a microbatch holds only the compiled regions' live-ins
     and the eager part of W's saved state (``work.held_bytes``): compiled
     regions free their saved activations at B even when eager code makes B
     retain the graph (the last and graph-break stages). Gradients after W
-    match ordinary backward on an identical copy."""
+    match ordinary backward on an identical copy. ``anchored``: also with
+    B's graph anchor (``_torch_internals.graph_anchor``, what torch 2.11 needs
+    and gets by detection), whose graph above the intermediates B must free."""
+    if anchored:
+        monkeypatch.setattr(_torch_internals, "function_nodes_outlive_their_graph", lambda: False)
     torch.manual_seed(0)
     dim = 64
     model, fn = _stage(layout, dim)
