@@ -33,7 +33,8 @@ How each figure is taken (also stored in the JSON under ``methods``):
   ordinary backward, with a clock read between phases: ``time.perf_counter``
   on CPU (what ``torch.utils.benchmark.Timer`` uses), CUDA events on CUDA.
   B and W cannot be timed by ``Timer`` on their own since each needs a fresh
-  forward. Repetitions of the six modes are interleaved round-robin, so
+  forward. Repetitions of the six modes are interleaved round-robin (each
+  round starting one mode later, so no mode always follows the same one), so
   background load hits all modes alike; warm-up repetitions are dropped and
   medians (and IQRs) come from ``torch.utils.benchmark.Measurement``.
 * FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` over B, W and the
@@ -738,14 +739,16 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
         for k, s in step_s.items()
     }
     rounds = max(want.values())
-    progress.say(f"timing {rounds} round(s), the six modes interleaved: "
+    progress.say(f"timing {rounds} round(s), the six modes interleaved (each round starting one mode later): "
                  f"{', '.join(f'{k} x{n}' for k, n in want.items())}")
     samples: dict[str, dict[str, list[float]]] = {m.key: {} for m in modes}
     host: list[dict[str, int] | None] = []
     ordinary_host: list[float | None] = []
     t0 = time.perf_counter()
     for r in range(rounds):
-        for mode in modes:
+        # Each round starts one mode later, so that no mode always follows the same one (a mode that
+        # frees a lot of memory would otherwise always hand its allocator state to the same next mode).
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             if r < want[mode.key]:
                 for phase, t in _timed_step(mode, stage, grad, device, host, ordinary_host).items():
                     samples[mode.key].setdefault(phase, []).append(t)
@@ -1007,7 +1010,8 @@ def _methods(device: torch.device) -> dict[str, str]:
     cpu = device.type != "cuda"
     return {
         "timing": ("time.perf_counter between phases" if cpu else "CUDA events between phases")
-        + "; repetitions of all modes interleaved round-robin; warm-up excluded; median via "
+        + "; repetitions of all modes interleaved round-robin, each round starting one mode later; warm-up "
+        "excluded; median via "
         "torch.utils.benchmark.Measurement",
         "flops": "FlopCounterMode; compiled modes counted op by op on the FX graphs Inductor compiles "
         "(fxsplit.backend(compiler='eager'): same decompositions and partitioner); flops_observed is what "
