@@ -761,7 +761,7 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     by_key = {m.key: m for m in modes}
     t0 = time.perf_counter()
     for r in range(settings.warmup + acc_rounds):
-        for key in acc:
+        for key in list(acc)[::-1] if r % 2 else list(acc):  # each goes first every other round
             t = _accumulate_step(by_key[key], stage, grad, device)
             if r >= settings.warmup:
                 acc[key].append(t)
@@ -1034,7 +1034,8 @@ def _methods(device: torch.device) -> dict[str, str]:
         "ordinary_host_ms: fxsplit's ordinary backward minus its regions' fused graph time (graph_ns) in the same "
         "round; added_ms: the split's host time minus that (target host_time_added)",
         "accumulate": f"{ACCUMULATE_MICROBATCHES} microbatches, .grad set to None first; backward phases timed "
-        "(forwards not counted); inductor and fxsplit+split interleaved per round; warm-up rounds dropped",
+        "(forwards not counted); inductor and fxsplit+split interleaved per round, each first every other round; "
+        "warm-up rounds dropped",
         "memory": "fxsplit.bench.memory: per stage layout (middle / last / first) and split (upstream, fxsplit, "
         "fxsplit defer='all'): allocator bytes alive after F+B, declared bytes, SplitResult live-in and all-crossing "
         "bytes evaluated at the microbatch's sizes, peak over a ZB-V-like sequence of 4 microbatches",
