@@ -23,7 +23,8 @@ work). :meth:`PendingWeightGrads.run` is W:
    ``grad_dtype``, accumulates in place, and never aliases a tensor someone
    else holds. The compiled gradients reach the accumulators through one
    :class:`_HandOver` node that keeps no reference to them, so an empty
-   ``.grad`` takes W's gradient without a copy, as after ordinary backward. One call per eager weight group (a call would otherwise re-run
+   ``.grad`` takes W's gradient without a copy, as after ordinary backward.
+   One call per eager weight group (a call would otherwise re-run
    input-gradient work between groups) and one for the weights only compiled
    regions reach; a stage without eager weights commits in one call.
 3. If a commit raises (a hook, out of memory, ``KeyboardInterrupt``), the
