@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxsplit
 from fxsplit.bench import run as bench
 from fxsplit.bench.memory import memory_targets
 from fxsplit.bench.models import ModelConfig, Stage
+from zoo import GeluResidual
 
 
 def _inductor(samples_ms: list[float]) -> dict:
@@ -53,7 +53,7 @@ def test_host_time_added_by_the_split_subtracts_the_ordinary_backwards_host_time
 def test_ordinary_backward_host_time_is_backward_minus_fused_graph_time() -> None:
     """The timed step reads the regions' fused graph time around fxsplit's ordinary backward."""
     torch.manual_seed(0)
-    module = torch.compile(_Tiny(), backend=fxsplit.backend(compiler="eager"))
+    module = torch.compile(GeluResidual(), backend=fxsplit.backend(compiler="eager"))
     x = torch.randn(4, 8)
     stage = Stage(module, lambda: x.clone().requires_grad_(True), ModelConfig(name="mlp"), "tiny")
     grad = torch.randn(4, 8)
@@ -75,20 +75,10 @@ def test_host_time_without_timings_is_na(host: list) -> None:
     assert bench._verdict_line("host_time", t).startswith("target n/a:")
 
 
-class _Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.nn.functional.gelu(self.a(x))) + x
-
-
 def test_accumulation_step_accumulates_like_four_ordinary_backwards() -> None:
     """B then W per microbatch, four times, leaves the same .grad as four ordinary backward calls."""
     torch.manual_seed(0)
-    model = _Tiny()
+    model = GeluResidual()
     ref = copy.deepcopy(model)
     xs = [torch.randn(4, 8) for _ in range(bench.ACCUMULATE_MICROBATCHES)]
     it = iter(xs)

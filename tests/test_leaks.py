@@ -15,16 +15,7 @@ from stage_check import MODES, grads_like, prepare
 
 import fxsplit
 from fxsplit import _torch_internals
-
-
-class Stage(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.nn.functional.gelu(self.a(x))) + x
+from zoo import GeluResidual
 
 
 class _Held:
@@ -44,7 +35,7 @@ def held_tensors(work: fxsplit.PendingWeightGrads) -> list[torch.Tensor]:
 @pytest.mark.parametrize("mode", MODES)
 def test_nothing_of_a_microbatch_stays_referenced_after_w(mode: str) -> None:
     torch.manual_seed(0)
-    model = Stage()
+    model = GeluResidual()
     fn = prepare(model, mode)
     params = list(model.parameters())
     fn(torch.randn(4, 8, requires_grad=True))  # compile outside the measured microbatch
@@ -90,7 +81,7 @@ def test_many_rounds_do_not_grow_live_tensors(mode: str) -> None:
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    model = Stage().to(device)
+    model = GeluResidual().to(device)
     fn = prepare(model, mode)
     params = list(model.parameters())
     grad_out = torch.randn(4, 8, device=device)

@@ -101,6 +101,19 @@ class TwoLinear(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+class GeluResidual(nn.Module):
+    """Linear(8, 16), GELU, Linear(16, 8) plus the input: a residual block small enough for
+    tests of bookkeeping (memory census, benchmark sections) rather than numerics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.gelu(self.a(x))) + x
+
+
 class LayerNormLinear(nn.Module):
     def __init__(self, d: int = 8) -> None:
         super().__init__()
