@@ -132,3 +132,41 @@ def test_region_compile_seconds_are_summed_per_kind_or_none() -> None:
     assert _region_seconds(regions) == {"fused": 1.5, "dI": 2.0, "dW": 3.0}
     assert _region_seconds([SimpleNamespace(), SimpleNamespace(stats={})]) is None
     assert _region_seconds([]) is None
+
+
+def test_w_time_includes_freeing_the_live_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timings['w_ns']`` covers W up to and including the release of the live-ins
+    (on CPU, freeing them can hand memory back to the OS): a clock that jumps when
+    a live-in is freed shows the jump in ``w_ns`` and not in the graph time."""
+    import types
+    import weakref
+
+    from fxsplit import pending as pending_mod
+
+    torch.manual_seed(0)
+    model = GeluResidual()
+    compiled = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    params = list(model.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    out = compiled(x)
+    _, work = fxsplit.stage_backward_input([out], [torch.ones_like(out)], [x], params)
+    del out
+    live = [v for record in work.compiled for v in record._live_ins if isinstance(v, torch.Tensor)]
+    assert live, "the dW graph of this block reads live-ins"
+    clock = {"ns": 0}
+    jump = 10**12
+    freed: list[int] = []
+
+    def on_free() -> None:
+        freed.append(1)
+        clock["ns"] += jump
+
+    for v in live:  # some live-ins are also saved by the forward; the dI-made ones die with W
+        weakref.finalize(v, on_free)
+    del live, v
+    monkeypatch.setattr(pending_mod, "time", types.SimpleNamespace(perf_counter_ns=lambda: clock["ns"]))
+    w_before = work.timings["w_ns"]
+    fxsplit.stage_backward_weight(params, work)
+    assert freed, "W frees the live-ins it alone holds"
+    assert work.timings["w_ns"] - w_before >= jump * len(freed)
+    assert work.timings["w_graph_ns"] < jump
