@@ -170,3 +170,73 @@ def test_w_time_includes_freeing_the_live_ins(monkeypatch: pytest.MonkeyPatch) -
     assert freed, "W frees the live-ins it alone holds"
     assert work.timings["w_ns"] - w_before >= jump * len(freed)
     assert work.timings["w_graph_ns"] < jump
+
+
+def test_timed_step_counts_the_page_faults_of_the_backward_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault count runs from the end of the forward to the end of W: faults
+    taken in the forward are not counted, those in B and W are."""
+    torch.manual_seed(0)
+    module = torch.compile(GeluResidual(), backend=fxsplit.backend(compiler="eager", fallback="error"))
+    x = torch.randn(4, 8)
+    stage = Stage(module, lambda: x.clone().requires_grad_(True), ModelConfig(name="mlp"), "tiny")
+    grad = torch.randn(4, 8)
+    mode = bench.Mode("fxsplit+split", "fxsplit split", module, "fxsplit", compiled="fxsplit")
+    bench._timed_step(mode, stage, grad, torch.device("cpu"))  # compile
+    counter = {"n": 0}
+    monkeypatch.setattr(bench.allocator, "minor_faults", lambda: counter["n"])
+    forward = module.forward
+
+    def forward_taking_faults(*args: object) -> object:
+        counter["n"] += 1000  # in the forward: not counted
+        return forward(*args)
+
+    monkeypatch.setattr(module, "forward", forward_taking_faults)
+    weight = fxsplit.stage_backward_weight
+
+    def weight_taking_faults(*args: object, **kwargs: object) -> object:
+        counter["n"] += 7
+        return weight(*args, **kwargs)
+
+    monkeypatch.setattr(fxsplit, "stage_backward_weight", weight_taking_faults)
+    got: list = []
+    bench._timed_step(mode, stage, grad, torch.device("cpu"), faults=got)
+    assert got == [7]
+    assert bench._fault_summary([7, 9, 8]) == {"minor_faults_backward": 8, "minor_faults_samples": [7, 9, 8]}
+    assert bench._fault_summary([7, None])["minor_faults_backward"] is None
+
+
+def test_malloc_retain_stops_refaulting_freed_memory() -> None:
+    """In a fresh process: with glibc's defaults, allocating and freeing 8 MiB
+    blocks faults their pages in every time; after ``retain_freed_memory`` the
+    freed blocks are reused without faults."""
+    import subprocess
+    import sys
+    import textwrap
+
+    if bench.allocator.glibc_problem() is not None:
+        pytest.skip(f"retain_freed_memory cannot run here: {bench.allocator.glibc_problem()}")
+    code = textwrap.dedent("""
+        import sys, torch
+        from fxsplit.bench import allocator
+        def faults_of_churn():
+            start = allocator.minor_faults()
+            for _ in range(20):
+                blocks = [torch.ones(2 * 2**20) for _ in range(4)]  # 4 x 8 MiB, written
+                del blocks
+            return allocator.minor_faults() - start
+        faults_of_churn()
+        before = faults_of_churn()
+        if sys.argv[1] == "retain":
+            allocator.retain_freed_memory()
+            faults_of_churn()
+        print(before, faults_of_churn())
+    """)
+    runs = {}
+    for how in ("default", "retain"):
+        out = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, check=True)
+        runs[how] = [int(v) for v in out.stdout.split()]
+    default_before, default_after = runs["default"]
+    _, retained = runs["retain"]
+    pages = 20 * 4 * 8 * 2**20 // 4096
+    assert default_after > pages // 2, runs  # glibc maps 8 MiB blocks afresh each time
+    assert retained < pages // 20, runs

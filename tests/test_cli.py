@@ -59,6 +59,7 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--quick", "--dim", "31"], "dim (31) must be a multiple of heads (2)"),
         (["--model", "mlp", "--embedding"], "--embedding applies to --model gpt only"),
         (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+        (["--malloc", "jemalloc"], "--malloc"),
     ],
 )
 def test_bad_option_is_one_line_error(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,3 +139,29 @@ def test_bench_refuses_when_upstream_split_cannot_run(monkeypatch: pytest.Monkey
     monkeypatch.setattr(bench, "_upstream", lambda: BrokenUpstream)
     line = _error(["--quick", "--device", "cpu"], capsys)
     assert "pytorch/pytorch#166577" in line and "_input_metadata" in line and torch.__version__ in line
+
+
+def test_malloc_retain_is_cpu_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert "applies to --device cpu only" in _error(["--device", "cuda", "--malloc", "retain"], capsys)
+
+
+def test_malloc_retain_needs_glibc(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from fxsplit.bench import allocator
+
+    monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("", ""))
+    assert "--malloc retain: it needs glibc's malloc" in _error(["--device", "cpu", "--malloc", "retain"], capsys)
+
+
+def test_malloc_retain_has_its_own_default_file() -> None:
+    parser = bench.build_parser()
+    full = bench.settings_from_args(parser.parse_args(["--device", "cpu", "--model", "llama"]), parser)
+    if bench.allocator.glibc_problem() is not None:
+        pytest.skip(f"--malloc retain cannot run here: {bench.allocator.glibc_problem()}")
+    kept = bench.settings_from_args(parser.parse_args(["--device", "cpu", "--model", "llama", "--malloc", "retain"]),
+                                    parser)
+    assert full.malloc == "default" and kept.malloc == "retain"
+    assert full.out is not None and kept.out is not None
+    assert kept.out.name == full.out.stem + "-malloc-retain.json"

@@ -88,6 +88,7 @@ from torch.utils.benchmark import Measurement
 from torch.utils.benchmark.utils.common import TaskSpec
 
 import fxsplit
+from fxsplit.bench import allocator
 from fxsplit.cli import OneLineErrorParser
 from fxsplit.bench.compile_time import COMPILE_USERS, measure_compile_times
 from fxsplit.bench.flops import flop_counter
@@ -197,6 +198,7 @@ class BenchSettings:
     compile_reps: int = 3
     out: Path | None = None
     chart: bool = True
+    malloc: str = "default"  # or "retain" (CPU, glibc): see fxsplit.bench.allocator
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -251,6 +253,10 @@ def build_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
                    help="JSON path (default: benchmarks/results/<device>[-<model>][-quick].json); the chart goes "
                    "next to it as .png")
     p.add_argument("--no-chart", action="store_true", help="do not draw the PNG chart")
+    p.add_argument("--malloc", default="default", choices=allocator.CHOICES,
+                   help="CPU only: 'retain' tells glibc's malloc to keep freed memory for reuse (mmap threshold "
+                   "32 MiB, no trimming) instead of handing it back to the OS and faulting it in again, as CUDA's "
+                   "caching allocator does; results go to <name>-malloc-retain.json. Default: the allocator as found")
     return p
 
 
@@ -333,11 +339,17 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         timing["compile_reps"] = args.compile_reps
     if args.reps is not None:
         timing.update(reps=args.reps, min_reps=min(args.reps, timing.get("min_reps", 5)))
-    out = args.out or default_out_path(device, cfg, quick=args.quick)
+    if args.malloc != "default":
+        if device.type != "cpu":
+            parser.error(f"--malloc {args.malloc} applies to --device cpu only (CUDA memory has its own allocator)")
+        problem = allocator.glibc_problem()
+        if problem is not None:
+            parser.error(f"--malloc {args.malloc}: {problem}")
+    out = args.out or default_out_path(device, cfg, quick=args.quick, malloc=args.malloc)
     _check_out(parser, out, args.quick)
     return BenchSettings(
         model=cfg, device=str(device), dtype=dtype, warm_cache=args.warm_cache or args.quick, quick=args.quick,
-        out=out, chart=not args.no_chart, **timing,
+        out=out, chart=not args.no_chart, malloc=args.malloc, **timing,
     )
 
 
@@ -426,6 +438,14 @@ def _backward_phases(
 HOST_KEYS = ("b_ns", "b_graph_ns", "w_ns", "w_graph_ns", "w_commit_ns")
 
 
+def _fault_summary(counts: Sequence[int | None]) -> dict[str, Any]:
+    """Median minor page faults of a mode's timed backwards (B + W, or the
+    backward), and the count per repetition; ``None`` where not counted."""
+    known = [c for c in counts if c is not None]
+    return {"minor_faults_backward": statistics.median(known) if known and len(known) == len(counts) else None,
+            "minor_faults_samples": list(counts)}
+
+
 def _fused_graph_ns() -> int | None:
     """Nanoseconds all live fxsplit regions spent in their fused backward
     graphs so far, or ``None`` where this fxsplit does not record it."""
@@ -437,25 +457,34 @@ def _fused_graph_ns() -> int | None:
 
 def _timed_step(mode: Mode, stage: Stage, grad: torch.Tensor, device: torch.device,
                 host: list[dict[str, int] | None] | None = None,
-                ordinary_host: list[float | None] | None = None) -> dict[str, float]:
+                ordinary_host: list[float | None] | None = None,
+                faults: list[int | None] | None = None) -> dict[str, float]:
     """Seconds per phase of one step. For the fxsplit split, appends to ``host``
     the step's ``PendingWeightGrads.timings`` (nanoseconds in and around the
     compiled graphs), or ``None`` where this fxsplit does not record them.
     For fxsplit's ordinary backward, appends to ``ordinary_host`` its seconds
     outside the fused graphs (the backward phase minus the fused graphs' time),
-    or ``None`` where fxsplit does not record graph time."""
+    or ``None`` where fxsplit does not record graph time. Appends to ``faults``
+    the minor page faults from the end of the forward to the end of the step
+    (B and W, or the backward), or ``None`` where the platform has no count."""
     x = stage.make_input()
     clock = _Clock(device)
     phases: list[str] = []
     held: list[Any] = []
     fused0 = _fused_graph_ns() if ordinary_host is not None and mode.key == "fxsplit" else None
+    faults0: list[int | None] = []
 
     def between(phase: str) -> None:
         clock.mark()
         phases.append(phase)
+        if phase == "forward" and faults is not None:
+            faults0.append(allocator.minor_faults())
 
     clock.mark()
     _backward_phases(mode, mode.module, x, grad, between, on_pending=held.append)
+    if faults is not None:
+        end = allocator.minor_faults()
+        faults.append(None if end is None or faults0[0] is None else end - faults0[0])
     if host is not None and mode.split == "fxsplit":
         t = getattr(held[0], "timings", None)
         host.append({k: int(t[k]) for k in HOST_KEYS if k in t} if t is not None else None)
@@ -566,12 +595,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text).strip("-")[:60] or "unknown"
 
 
-def default_out_path(device: torch.device, model: ModelConfig, quick: bool = False) -> Path:
-    """``benchmarks/results/<device>[-<model>][-quick].json`` (the model only when it is not the
-    default gpt). A ``--quick`` run has a file of its own, so it never replaces a full run's results."""
+def default_out_path(device: torch.device, model: ModelConfig, quick: bool = False, malloc: str = "default") -> Path:
+    """``benchmarks/results/<device>[-<model>][-malloc-<choice>][-quick].json`` (the model only when it
+    is not the default gpt, the allocator only when it is not the default). A ``--quick`` run has a
+    file of its own, so it never replaces a full run's results."""
     stem = f"{device.type}-{_slug(_device_name(device))}"
     if model.name != "gpt" or model.embedding:
         stem += f"-{model.name}" + ("-embedding" if model.embedding else "")
+    if malloc != "default":
+        stem += f"-malloc-{malloc}"
     if quick:
         stem += "-quick"
     return results_dir() / f"{stem}.json"
@@ -677,6 +709,8 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     """
     progress = progress or Progress()
     wall0 = time.perf_counter()
+    if settings.malloc == "retain":
+        allocator.retain_freed_memory()
     device = torch.device(settings.device)
     dtype = _DTYPES[settings.dtype]
     stage = build(settings.model, device, dtype)
@@ -744,13 +778,15 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     samples: dict[str, dict[str, list[float]]] = {m.key: {} for m in modes}
     host: list[dict[str, int] | None] = []
     ordinary_host: list[float | None] = []
+    faults: dict[str, list[int | None]] = {m.key: [] for m in modes}
     t0 = time.perf_counter()
     for r in range(rounds):
         # Each round starts one mode later, so that no mode always follows the same one (a mode that
         # frees a lot of memory would otherwise always hand its allocator state to the same next mode).
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             if r < want[mode.key]:
-                for phase, t in _timed_step(mode, stage, grad, device, host, ordinary_host).items():
+                for phase, t in _timed_step(mode, stage, grad, device, host, ordinary_host,
+                                            faults[mode.key]).items():
                     samples[mode.key].setdefault(phase, []).append(t)
         progress.count("timing, rounds done", r + 1, rounds, t0)
 
@@ -798,6 +834,7 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
             **mem,
             "compile_s": compile_s.get(mode.compiled) if mode.compiled else None,
             "compiled_module": mode.compiled,
+            **_fault_summary(faults[mode.key]),
         })
 
     progress.count("measuring memory and counting FLOPs, modes done", len(modes), len(modes), t0)
@@ -856,7 +893,9 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
         "python": platform.python_version(),
         "model": {**settings.model.as_dict(), "description": stage.description, "parameters": n_params},
         "settings": {"warmup": settings.warmup, "min_reps": settings.min_reps, "reps": settings.reps,
-                     "min_time_s": settings.min_time_s, "warm_cache": settings.warm_cache, "quick": settings.quick},
+                     "min_time_s": settings.min_time_s, "warm_cache": settings.warm_cache, "quick": settings.quick,
+                     "malloc": settings.malloc},
+        "allocator": allocator.describe(settings.malloc) if device.type == "cpu" else "CUDA caching allocator",
         "reference": REFERENCE,
         "modes": results,
         "mode4_default_config_error": default_error,
@@ -1033,6 +1072,9 @@ def _methods(device: torch.device) -> dict[str, str]:
         "b_graph_ns, of W = w_ns - w_graph_ns; target: their sum / inductor's ordinary backward of the same round; "
         "ordinary_host_ms: fxsplit's ordinary backward minus its regions' fused graph time (graph_ns) in the same "
         "round; added_ms: the split's host time minus that (target host_time_added)",
+        "minor_faults_backward": "getrusage ru_minflt from the end of each timed forward to the end of its B + W "
+        "(or backward), median over the timed repetitions (pages the allocator had handed back to the OS and "
+        "maps again; see fxsplit.bench.allocator)",
         "accumulate": f"{ACCUMULATE_MICROBATCHES} microbatches, .grad set to None first; backward phases timed "
         "(forwards not counted); inductor and fxsplit+split interleaved per round, each first every other round; "
         "warm-up rounds dropped",
@@ -1091,6 +1133,11 @@ def _section_lines(result: dict[str, Any]) -> list[str]:
                     f"fxsplit ordinary backward, median ms outside its fused graphs: {med('ordinary_host_ms'):.3f}; "
                     f"the split adds {med('added_ms'):.3f} (IQR {host['added_ms']['q25']:.3f}-"
                     f"{host['added_ms']['q75']:.3f})")
+    modes = result.get("modes") or []
+    if modes and all(r.get("minor_faults_backward") is not None for r in modes):
+        out.append("minor page faults per backward (median; memory the allocator maps afresh): " + ", ".join(
+            f"{r['key']} {r['minor_faults_backward']:.0f}" for r in modes)
+            + (f" [{result['allocator']}]" if result.get("allocator") else ""))
     acc = result.get("accumulate")
     if acc is not None:
         i, f = acc["inductor"], acc["fxsplit+split"]
@@ -1155,7 +1202,9 @@ def format_table(result: dict[str, Any]) -> str:
     m = result["model"]
     out = [
         f"device: {result['device']['name']} ({result['device']['type']}, {result['device']['torch_threads']} "
-        f"threads)  dtype: {result['dtype']}  torch {result['torch_version']}",
+        f"threads)  dtype: {result['dtype']}  torch {result['torch_version']}"
+        + ("  malloc: " + result["settings"]["malloc"] if result["settings"].get("malloc", "default") != "default"
+           else ""),
         f"model: {m['name']} ({m['description']}), batch={m['batch']} seq={m['seq']} layers={m['layers']} "
         f"dim={m['dim']}, {m['parameters'] / 1e6:.2f} M params",
         line(head), line(["-" * w for w in widths]), *map(line, rows),
