@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import kernel_profile
+from benchmarks import graph_times, kernel_profile
 
 
 @pytest.mark.inductor
@@ -23,3 +23,24 @@ def test_kernel_profile_refuses_zero_steps(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as e:
         kernel_profile.main(["--steps", "0"])
     assert e.value.code == 2 and "--steps must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.inductor
+def test_graph_times_reports_graphs_in_place_and_isolated(capsys: pytest.CaptureFixture[str]) -> None:
+    result = graph_times.main(["--model", "mlp", "--reps", "2", "--warmup", "1", "--isolate"])
+    out = capsys.readouterr().out
+    for key in ("ordinary_ms", "split_ms", "ordinary_graphs_ms", "split_graphs_ms", "isolated_fused_ms",
+                "isolated_split_ms"):
+        assert result[key] > 0, key
+    # the graphs run inside the calls that contain them
+    assert result["ordinary_graphs_ms"] < result["ordinary_ms"] and result["split_graphs_ms"] < result["split_ms"]
+    assert "in place, B + W" in out and "isolated (graphs called directly, 2 repetitions)" in out
+    # one row per matmul shape: its time in the fused graph, in dI and in dW ('-' where it does not occur)
+    rows = [line.strip().split("   ")[0].split(" / ") for line in out.splitlines() if line.startswith("    ")]
+    assert rows and all(len(r) == 3 for r in rows)
+
+
+def test_graph_times_refuses_zero_reps(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        graph_times.main(["--reps", "0"])
+    assert e.value.code == 2 and "--reps must be at least 1" in capsys.readouterr().err
