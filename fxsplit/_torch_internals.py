@@ -356,9 +356,9 @@ def engine_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor], inputs:
     """``torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=True)``
     without its Python-side argument normalisation (``_make_grads``: about half
     the cost of committing a small weight's gradient). The caller passes
-    ``GradientEdge`` roots and inputs and one defined tensor per root; the
-    engine still validates each gradient against its edge (shape, dtype cast to
-    ``grad_dtype``, device) in C++. Relies on
+    ``GradientEdge`` or tensor roots, ``GradientEdge`` inputs and one defined
+    tensor per root; the engine still validates each gradient against its edge
+    (shape, dtype cast to ``grad_dtype``, device) in C++. Relies on
     ``torch.autograd.graph._engine_run_backward(outputs, grad_outputs,
     keep_graph, create_graph, inputs, allow_unreachable=, accumulate_grad=)``,
     which ``torch.autograd.backward`` calls the same way."""

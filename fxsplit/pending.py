@@ -136,7 +136,7 @@ class _HandOver(torch.autograd.Function):
         return (None, *grads)
 
 
-def _hand_over(commit: WeightCommit) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+def _hand_over(commit: WeightCommit) -> tuple[list[GradientEdge | torch.Tensor], list[torch.Tensor]]:
     """The roots and gradients of ``commit``'s engine call, with every
     gradient that is the only one for a plain leaf weight moved out of
     ``commit`` into one :class:`_HandOver` root (see there). Gradients of
@@ -169,7 +169,10 @@ def _hand_over(commit: WeightCommit) -> tuple[list[GradientEdge], list[torch.Ten
     # Drop commit's own references (in place: callers may hold these lists).
     commit.roots[:] = [e for k, e in enumerate(commit.roots) if k not in picked]
     commit.grads[:] = [g for k, g in enumerate(commit.grads) if k not in picked]
-    return [GradientEdge(node, 0), *commit.roots], [torch.ones(()), *commit.grads]
+    # The root is ``out`` itself, not an edge to its node: ``out`` owns the
+    # node, and the Python object ``grad_fn`` returns only refers to it weakly
+    # on some torch releases (2.11), so an edge alone would outlive the node.
+    return [out, *commit.roots], [torch.ones(()), *commit.grads]
 
 
 def commit_weight_grads(commit: WeightCommit, committed: set[int]) -> None:
