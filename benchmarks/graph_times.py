@@ -39,8 +39,8 @@ import torch
 import fxsplit
 from fxsplit import runtime
 from fxsplit.bench import allocator
-from fxsplit.bench.models import MODELS, build
-from fxsplit.bench.run import _DTYPES, build_parser, settings_from_args
+from benchmarks._common import fxsplit_stage
+from fxsplit.bench.models import MODELS
 
 KINDS = ("fused", "dI", "dW")
 
@@ -115,12 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if problem is not None:
             p.error(f"--malloc retain: {problem}")
         allocator.retain_freed_memory()
-    settings = settings_from_args(build_parser().parse_args(["--device", "cpu", "--model", a.model, "--no-chart"]))
-    torch.manual_seed(0)
-    stage = build(settings.model, "cpu", _DTYPES[settings.dtype])
-    module = stage.module
-    module.compile(backend="fxsplit")
-    params = [q for q in module.parameters() if q.requires_grad]
+    stage, module, params = fxsplit_stage(a.model)
     grad = torch.randn_like(module(stage.make_input()))
 
     def ordinary() -> None:

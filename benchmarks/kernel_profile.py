@@ -25,8 +25,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fxsplit
-from fxsplit.bench.models import MODELS, build
-from fxsplit.bench.run import _DTYPES, build_parser, settings_from_args
+from benchmarks._common import fxsplit_stage
+from fxsplit.bench.models import MODELS
 
 Key = tuple[str, str]
 
@@ -53,12 +53,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
-    settings = settings_from_args(build_parser().parse_args(["--device", "cpu", "--model", args.model, "--no-chart"]))
-    torch.manual_seed(0)
-    stage = build(settings.model, "cpu", _DTYPES[settings.dtype])
-    module = stage.module
-    module.compile(backend="fxsplit")
-    params = [q for q in module.parameters() if q.requires_grad]
+    stage, module, params = fxsplit_stage(args.model)
 
     def backward_of(kind: str) -> Callable[[], None]:
         """Runs a forward now and returns its backward of ``kind`` (only that is profiled)."""
