@@ -441,8 +441,8 @@ HOST_KEYS = ("b_ns", "b_graph_ns", "w_ns", "w_graph_ns", "w_commit_ns")
 def _fault_summary(counts: Sequence[int | None]) -> dict[str, Any]:
     """Median minor page faults of a mode's timed backwards (B + W, or the
     backward), and the count per repetition; ``None`` where not counted."""
-    known = [c for c in counts if c is not None]
-    return {"minor_faults_backward": statistics.median(known) if known and len(known) == len(counts) else None,
+    counted = bool(counts) and None not in counts
+    return {"minor_faults_backward": statistics.median(counts) if counted else None,  # type: ignore[type-var]
             "minor_faults_samples": list(counts)}
 
 
