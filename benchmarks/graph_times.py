@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if a.reps < 1:
         p.error(f"--reps must be at least 1, got {a.reps}")
     if a.malloc == "retain":
-        problem = allocator.glibc_problem()
-        if problem is not None:
-            p.error(f"--malloc retain: {problem}")
-        allocator.retain_freed_memory()
+        try:
+            allocator.retain_freed_memory()
+        except RuntimeError as e:
+            p.error(str(e))
     stage, module, params = fxsplit_stage(a.model)
     grad = torch.randn_like(module(stage.make_input()))
 

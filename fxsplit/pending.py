@@ -332,8 +332,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     Inspection: ``timings`` holds nanoseconds of host clock
     (``time.perf_counter_ns``) summed over B and every W call: ``b_ns`` B in
     all, ``b_graph_ns`` the part inside compiled dI graphs; ``w_ns`` W in all
-    (freeing the live-ins included), ``w_graph_ns`` the part inside dW graphs (accumulating ones included),
-    ``w_commit_ns`` the part in autograd's commit calls (eager W work and
+    (freeing the live-ins included), ``w_graph_ns`` the part inside dW graphs
+    (accumulating ones included), ``w_commit_ns`` the part in autograd's commit calls (eager W work and
     accumulation). Host time outside the graphs is ``b_ns - b_graph_ns`` and
     ``w_ns - w_graph_ns``. ``accumulated_in_graph`` lists the positions (in
     ``weights``) of the weights W accumulated inside a dW graph.
@@ -561,8 +561,10 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             t0 = time.perf_counter_ns()
             try:
                 self._compute_and_commit(fused_accumulation)
+                # Freeing the live-ins is part of W's cost (on CPU, glibc may
+                # hand large blocks back to the OS here): it counts in w_ns.
+                self._release()
             except BaseException as e:
-                self.timings["w_ns"] += time.perf_counter_ns() - t0
                 if hasattr(e, "add_note"):
                     e.add_note(
                         f"fxsplit: W was interrupted after accumulating {len(self._committed)} of "
@@ -570,10 +572,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                         "param_groups to stage_backward_weight again to finish it"
                     )
                 raise
-            # Freeing the live-ins is part of W's cost (on CPU, glibc may hand
-            # large blocks back to the OS here): it counts in w_ns.
-            self._release()
-            self.timings["w_ns"] += time.perf_counter_ns() - t0
+            finally:
+                self.timings["w_ns"] += time.perf_counter_ns() - t0
         finally:
             self._lock.release()
 

@@ -59,14 +59,14 @@ def retain_freed_memory() -> None:
     that is not possible."""
     problem = glibc_problem()
     if problem is not None:
-        raise RuntimeError(f"fxsplit bench: --malloc retain: {problem}")
+        raise RuntimeError(f"--malloc retain: {problem}")
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     for param, value, name in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX, "M_MMAP_THRESHOLD"),
                                (_M_TRIM_THRESHOLD, TRIM_THRESHOLD, "M_TRIM_THRESHOLD")):
         if mallopt(param, value) != 1:
-            raise RuntimeError(f"fxsplit bench: --malloc retain: glibc refused mallopt({name}, {value})")
+            raise RuntimeError(f"--malloc retain: glibc refused mallopt({name}, {value})")
 
 
 def describe(choice: str) -> str:
