@@ -16,6 +16,7 @@ between releases handled here are feature-detected:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -60,12 +61,34 @@ def declare_no_donated_buffers() -> None:
     bw_donated_idxs != []``) then refuses ``retain_graph=True``, which B needs
     when eager code lies below a compiled region. Relies on
     ``TracingContext.fw_metadata`` being the metadata the runtime reads (true
-    for plain-tensor regions; subclass regions keep the check, which is safe).
+    for plain-tensor regions; a region with tensor-subclass inputs records it
+    in metadata the runtime does not read: see :func:`declare_no_donated_buffers_of`).
     """
     from torch._guards import TracingContext
 
     ctx = TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
+        meta.bw_donated_idxs = []
+
+
+def declare_no_donated_buffers_of(node: Any) -> None:
+    """:func:`declare_no_donated_buffers` for a region with tensor-subclass
+    inputs (DTensor parameters), done on its autograd node before a split
+    backward that retains the graph runs through it.
+
+    For such a region ``TracingContext.fw_metadata`` is the metadata of the
+    inner (unwrapped) graph, while the runtime check reads the outer one,
+    ``CompiledFunction.metadata`` (the ``fw_metadata`` that ``_backward_impl``
+    closes over, ``runtime_wrappers.py``), whose ``bw_donated_idxs`` stays
+    ``None`` when compiled with ``donated_buffer=False``: B with
+    ``retain_graph=True`` would be refused although nothing was donated.
+    Relies on ``node._forward_cls.metadata``. An ordinary backward with
+    ``retain_graph=True`` through such a region before any split backward is
+    refused by AOTAutograd as with ``backend="inductor"``.
+    """
+    cls = getattr(node, "_forward_cls", None)
+    meta = getattr(cls, "metadata", None)
     if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
         meta.bw_donated_idxs = []
 
@@ -105,24 +128,175 @@ def boxed(fn: Callable[..., Any]) -> BoxedCallable:
     return make_boxed_func(fn)
 
 
-def backward_output_input_indices(bw: fx.GraphModule) -> list[int | None] | None:
-    """For each backward output, the index of the forward input it is the gradient of.
+@dataclasses.dataclass(frozen=True)
+class GradientPart:
+    """What one backward output is: (part of) the gradient of forward input
+    ``input_index``, or ``None`` there when the descriptor names a gradient
+    whose input fxsplit cannot tell (see :func:`backward_output_parts`).
 
-    Relies on AOTAutograd's descriptors (``output_node.meta["desc"]`` holding
-    ``GradAOTOutput(grad_of=PlainAOTInput(idx))``). Returns ``None`` if the
-    graph carries no descriptors; an entry is ``None`` when the output is not
-    the gradient of a plain input (synthetic bases, subclasses, None grads).
+    ``part`` is ``""`` for a plain tensor's gradient; for a tensor subclass
+    (a DTensor parameter), whose gradient AOTAutograd returns flattened, the
+    attribute path of this piece: ``"._local_tensor"``, ``".device_mesh"``,
+    ``".size(0)"``. ``desc`` is AOTAutograd's expression for it, for messages.
     """
+
+    input_index: int | None
+    part: str
+    desc: str
+
+    @property
+    def identified(self) -> bool:
+        return self.input_index is not None
+
+
+def backward_output_parts(bw: fx.GraphModule) -> list[GradientPart | None] | None:
+    """For each backward output, which forward input's gradient it is (part of).
+
+    Relies on AOTAutograd's descriptors (``_aot_autograd/descriptors.py``):
+    ``output_node.meta["desc"]`` holds one descriptor per output. A plain
+    gradient is ``GradAOTOutput(grad_of=PlainAOTInput(idx))``; a subclass
+    gradient (a DTensor weight's) is flattened into one output per attribute
+    (and symbolic size or stride), each described as
+    ``SubclassGetAttrAOTOutput`` / ``SubclassSizeAOTOutput`` /
+    ``SubclassStrideAOTOutput`` around such a ``GradAOTOutput`` (nested for
+    nested subclasses). ``idx`` counts the compiled region's (Dynamo graph's)
+    inputs.
+
+    Returns ``None`` if the graph carries no descriptors. An entry is ``None``
+    for an output that is no gradient (a ``None`` output, an effect token); a
+    :class:`GradientPart` with ``input_index=None`` for a gradient whose input
+    cannot be told (a view or synthetic base standing for several inputs, or a
+    descriptor this torch added); otherwise its input and part.
+    """
+    from torch._functorch._aot_autograd import descriptors as d
+
     out = bw.graph.output_node()
     descs = out.meta.get("desc")
-    if not isinstance(descs, (list, tuple)):
+    rets = out.args[0] if out.args else ()
+    if not isinstance(descs, (list, tuple)) or not isinstance(rets, (list, tuple)) or len(descs) != len(rets):
         return None
-    result: list[int | None] = []
-    for d in descs:
-        grad_of = getattr(d, "grad_of", None)
-        idx = getattr(grad_of, "idx", None) if type(grad_of).__name__ == "PlainAOTInput" else None
-        result.append(idx if isinstance(idx, int) else None)
+    wrappers = (d.SubclassGetAttrAOTOutput, d.SubclassSizeAOTOutput, d.SubclassStrideAOTOutput)
+    result: list[GradientPart | None] = []
+    for desc, ret in zip(descs, rets):
+        if desc is None:
+            # No descriptor for a value the graph returns: nothing says what it is.
+            result.append(None if ret is None else GradientPart(None, "", "an output without descriptor"))
+            continue
+        base, part = desc, ""
+        while isinstance(base, wrappers):
+            if isinstance(base, d.SubclassGetAttrAOTOutput):
+                part = f".{base.attr}{part}"
+            else:
+                kind = "size" if isinstance(base, d.SubclassSizeAOTOutput) else "stride"
+                part = f".{kind}({base.idx}){part}"
+            base = base.base
+        if not isinstance(base, d.GradAOTOutput):
+            result.append(None)  # not a gradient (effect tokens, RNG offsets)
+            continue
+        grad_of = base.grad_of
+        index = grad_of.idx if type(grad_of) is d.PlainAOTInput and isinstance(grad_of.idx, int) else None
+        result.append(GradientPart(index, part, desc.expr()))
     return result
+
+
+# -- tensor-subclass (DTensor) gradients of a compiled region (used by fxsplit.runtime) -----------
+# A region with tensor-subclass inputs or outputs (DTensor parameters under
+# tensor parallelism) runs its backward graph on the subclasses' inner
+# tensors: AOTAutograd's autograd node unwraps the output gradients before
+# calling the compiled backward and wraps the flat outputs it returns into
+# one gradient per forward input after (``_codegen_backward_epilogue`` in
+# ``runtime_wrappers.py``, from ``SubclassMeta.grad_input_metas``: one
+# ``PlainTensorMeta`` or ``SubclassCreationMeta`` per forward input).
+_TOLERANT_EPILOGUE = "_fxsplit_tolerates_missing_gradients"
+
+
+def _subclass_grad_metas(node: Any) -> list[Any] | None:
+    cls = getattr(node, "_forward_cls", None)
+    meta = getattr(cls, "maybe_subclass_metadata", None)
+    return None if meta is None else list(meta.grad_input_metas or ())
+
+
+class SubclassGradients:
+    """Builds the gradient of a forward input from a region's flat backward
+    outputs, as AOTAutograd's epilogue does: a subclass gradient from its
+    pieces (``SubclassCreationMeta.creation_fn(flat, is_runtime=True)``, what
+    ``wrap_tensor_subclasses`` calls: a DTensor with the placements, shape and
+    stride ordinary backward gives it, e.g. ``Partial`` for a sequence-parallel
+    norm weight), a plain one as it is. Relies on the node's
+    ``_forward_cls.maybe_subclass_metadata.grad_input_metas``."""
+
+    __slots__ = ("_metas",)
+
+    def __init__(self, metas: Sequence[Any]) -> None:
+        self._metas = tuple(metas)
+
+    @classmethod
+    def of(cls, node: Any) -> SubclassGradients | None:
+        """The builder for region ``node``'s gradients; ``None`` for a region without subclass gradients."""
+        metas = _subclass_grad_metas(node)
+        return None if metas is None else cls(metas)
+
+    def is_subclass(self, input_index: int) -> bool:
+        return type(self._metas[input_index]).__name__ == "SubclassCreationMeta"
+
+    def gradient(self, input_index: int, flat: Sequence[Any]) -> Any:
+        """The gradient of forward input ``input_index`` from ``flat``, the
+        backward's outputs at their positions (``None`` where a piece is
+        missing: then the gradient is ``None``)."""
+        meta = self._metas[input_index]
+        if type(meta).__name__ != "SubclassCreationMeta":
+            return flat[meta.unwrapped_idx]
+        start, count = meta.flat_tensor_start_idx, meta.arg_count
+        if any(v is None for v in flat[start:start + count]):
+            return None
+        return meta.creation_fn(flat, is_runtime=True)
+
+
+def let_backward_leave_subclass_gradients_out(node: Any) -> None:
+    """Make the autograd node of region ``node`` accept ``None`` for a
+    subclass gradient's pieces (its gradient is then ``None``), as it accepts
+    ``None`` for a plain gradient.
+
+    B returns ``None`` for every weight gradient; AOTAutograd's epilogue
+    would rebuild a DTensor gradient from a ``None`` local tensor and fail.
+    Installed once per region (its ``CompiledFunction`` class), before the
+    first split backward through it: the epilogue is read from the class when
+    the engine calls the node's backward. When every piece is present it
+    calls AOTAutograd's own epilogue, so ordinary backward is unchanged.
+    Relies on ``CompiledFunction._bw_epilogue_fn`` (called as
+    ``_epilogue_(out)``, ``out`` the compiled backward's outputs), its
+    ``metadata`` (``num_backward_tokens``, ``is_rng_op_functionalized``: the
+    epilogue strips those outputs first; fxsplit refuses such regions) and
+    ``grad_input_metas`` (:class:`SubclassGradients`).
+    """
+    cls = getattr(node, "_forward_cls", None)
+    metas = _subclass_grad_metas(node)
+    if cls is None or metas is None or cls.__dict__.get(_TOLERANT_EPILOGUE, False):
+        return
+    meta = cls.metadata
+    if meta.num_backward_tokens or meta.is_rng_op_functionalized:
+        raise RuntimeError(
+            "fxsplit: a compiled region with tensor-subclass gradients and effect tokens or functionalized RNG "
+            "in its backward cannot be split (its backward outputs carry extra values); compile it with "
+            "backend='inductor' and use the eager split"
+        )
+    builder = SubclassGradients(metas)
+    spans = [
+        range(m.flat_tensor_start_idx, m.flat_tensor_start_idx + m.arg_count)
+        for m in metas
+        if type(m).__name__ == "SubclassCreationMeta"
+    ]
+    original = cls._bw_epilogue_fn
+
+    def epilogue(out: Sequence[Any], make_subclass_override: Any = None) -> Any:
+        if make_subclass_override is None and any(out[i] is None for span in spans for i in span):
+            return tuple(builder.gradient(k, out) for k in range(len(metas)))
+        if make_subclass_override is not None:
+            return original(out, make_subclass_override)
+        return original(out)
+
+    cls._bw_epilogue_fn = epilogue
+    setattr(cls, _TOLERANT_EPILOGUE, True)
 
 
 def mark_user_visible_outputs(gm: fx.GraphModule, visible: Sequence[int]) -> None:

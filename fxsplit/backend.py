@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from fxsplit import _logging, config
 from fxsplit import _torch_internals as ti
+from fxsplit.gradient_layout import GradientLayout, UnidentifiedGradients
 from fxsplit.passes import SplitResult, split_backward
 from fxsplit.passes.accumulate import accumulate_into
 from fxsplit.runtime import CompiledSplitBackward
@@ -245,15 +246,34 @@ def _inner_compile_for(opts: BackendOptions) -> Callable[..., ti.BoxedCallable]:
     return inductor
 
 
-def _weight_outputs(bw: fx.GraphModule, is_param: Sequence[bool]) -> list[int]:
-    """Backward outputs that are gradients of ``nn.Parameter`` inputs of the Dynamo graph."""
-    grad_of = ti.backward_output_input_indices(bw)
-    if grad_of is None:
+def _gradient_layout(bw: fx.GraphModule, is_tensor: Sequence[bool]) -> GradientLayout:
+    """Which forward input each backward output is (part of) the gradient of,
+    from AOTAutograd's descriptors. Raises :class:`FxsplitCompileError` when
+    the graph has none, or names a gradient whose input cannot be told: then
+    weight gradients cannot be told from input gradients, and a split could
+    leave weight-gradient work in B."""
+    parts = ti.backward_output_parts(bw)
+    if parts is None:
         raise FxsplitCompileError(
             "fxsplit: the backward graph carries no AOTAutograd descriptors; cannot tell "
             "weight gradients from input gradients"
         )
-    return [i for i, idx in enumerate(grad_of) if idx is not None and idx < len(is_param) and is_param[idx]]
+    try:
+        return GradientLayout.from_parts(parts, is_tensor)
+    except UnidentifiedGradients as e:
+        raise FxsplitCompileError(f"fxsplit: {e}") from None
+
+
+def _check_no_weight_matmul_in_di(split: SplitResult) -> None:
+    """Refuse a split whose dI graph would run a weight-gradient matmul (B must
+    do none): raised as a compile failure, so the region falls back (one
+    warning) or, under ``fallback="error"``, raises at compile time."""
+    found = split.weight_contractions_in_di
+    if found:
+        raise FxsplitCompileError(
+            f"fxsplit: the split would leave {len(found)} weight-gradient matmul(s) in dI "
+            f"({', '.join(found[:4])}{' ...' if len(found) > 4 else ''}): B would do weight-gradient work"
+        )
 
 
 class _RegionGraphs:
@@ -429,7 +449,9 @@ def _compile_split_backward(
 ) -> CompiledSplitBackward:
     name = build.name
     build.graph = "split"
-    split = split_backward(bw, _weight_outputs(bw, is_param), rule=trace_split_rule, defer=opts.resolved_defer())
+    layout = _gradient_layout(bw, is_tensor)
+    split = split_backward(bw, layout.weight_outputs(is_param), rule=trace_split_rule, defer=opts.resolved_defer())
+    _check_no_weight_matmul_in_di(split)
     ti.declare_no_donated_buffers()
     log.debug("fxsplit: %s split:\n%s", name, split.describe())
     _report_weight_work_in_di(name, split)
@@ -440,7 +462,7 @@ def _compile_split_backward(
         split,
         graphs,
         name=name,
-        input_is_tensor=is_tensor,
+        layout=layout,
         fused_backward=opts.fused_backward,
         fused_accumulation=opts.fused_accumulation,
     )

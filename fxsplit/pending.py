@@ -578,8 +578,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             self._lock.release()
 
     def _fusable(self, wanted: set[int], switch: bool | None) -> dict[int, tuple[int, ...]]:
-        """For each compiled record (by index), the dW output positions whose
-        gradient W may add into ``.grad`` inside the dW graph: where the
+        """For each compiled record (by index), the weights (positions in its
+        ``params``) whose gradient W may add into ``.grad`` inside the dW graph: where the
         region allows it, the weight's gradient comes from that record only,
         and accumulating in place cannot differ from autograd's accumulation
         (:func:`accumulates_like_autograd`)."""
@@ -599,7 +599,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             if allowed is False or (allowed is None and not default):
                 continue
             live = record.live_in_storages()
-            dtypes = record.owner.dw_output_dtypes
+            dtypes = record.owner.weight_grad_dtypes
             positions = tuple(
                 k
                 for k, p in enumerate(record.params)
@@ -634,7 +634,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         accumulating: dict[int, tuple[ti.BoxedCallable, tuple[int, ...]]] = {}
         for i, positions in self._fusable(wanted, fused_accumulation).items():
             record = self.compiled[i]
-            graph = record.owner.accumulating_graph(positions, [record.params[k].grad for k in positions])
+            graph = record.owner.accumulating_graph(
+                record.owner.dw_positions(positions), [record.params[k].grad for k in positions]
+            )
             if graph is not None:
                 accumulating[i] = (graph, positions)
         # 1. compute: pure, so an exception here changes nothing.

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from fxsplit import _torch_internals as ti
+from fxsplit.gradient_layout import GradientLayout, WeightGradient
 from fxsplit.passes import SplitResult
 
 log = logging.getLogger("fxsplit")
@@ -123,6 +124,11 @@ def registered(nodes: Sequence[Any], call: InputCall | _SplitDone) -> Iterator[N
                 "fxsplit: another split backward is running through this microbatch's autograd graph "
                 f"({node.name()} is registered by it); B and W of one microbatch cannot overlap"
             )
+    for node in nodes:
+        # B returns no weight gradients (a region with DTensor weights must accept
+        # that) and may retain the graph (a DTensor region must allow it).
+        ti.let_backward_leave_subclass_gradients_out(node)
+        ti.declare_no_donated_buffers_of(node)
     done: list[Any] = []
     try:
         for node in nodes:
@@ -155,7 +161,8 @@ class CompiledWeightWork:
     """The W half of one compiled region for one microbatch: dW graph + live-ins.
 
     Holds only the live-ins and the parameters the gradients belong to (those
-    given to B; ``None`` in the other positions), so everything else the
+    given to B; ``None`` in the other positions; one per
+    :attr:`CompiledSplitBackward.weight_grads`), so everything else the
     backward needed is freed when B ends. :meth:`compute` is pure and may be
     called again (a retried W); :meth:`accumulate` adds some gradients into
     ``.grad`` inside the dW graph (that *is* their commit); :meth:`release`
@@ -221,8 +228,8 @@ class CompiledWeightWork:
         observable: the live-ins stay held until :meth:`release`. The time
         inside the graph is added to ``timings["w_graph_ns"]``."""
         # Pass a copy: compiled graphs clear their argument list.
-        grads = self._owner.run_dw(list(self._check()), timings)
-        return self._select(grads, wanted)
+        outs = self._owner.run_dw(list(self._check()), timings)
+        return self._select(self._owner.weight_gradient_values(outs), wanted)
 
     def accumulate(
         self,
@@ -231,16 +238,17 @@ class CompiledWeightWork:
         wanted: set[int] | None = None,
         timings: dict[str, int] | None = None,
     ) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
-        """Run ``graph``, the dW graph accumulating its outputs at ``positions``
-        into those weights' ``.grad`` (:meth:`CompiledSplitBackward.accumulating_graph`),
-        and return the other gradients as :meth:`compute` does. Not pure: once
-        called, the weights at ``positions`` count as accumulated."""
+        """Run ``graph``, the dW graph accumulating the gradients of the weights
+        at ``positions`` (indices into :attr:`params`, plain weights) into their
+        ``.grad`` (:meth:`CompiledSplitBackward.accumulating_graph`), and return
+        the other gradients as :meth:`compute` does. Not pure: once called, the
+        weights at ``positions`` count as accumulated."""
         grads = [self.params[k].grad for k in positions]  # type: ignore[union-attr]
         outs = self._owner.run_dw_accumulating(graph, list(self._check()) + grads, timings)
         # In-place writes of compiled kernels do not bump the version counter
         # that autograd's own in-place accumulation bumps.
         torch.autograd.graph.increment_version(grads)
-        return self._select(outs, wanted)
+        return self._select(self._owner.weight_gradient_values(outs), wanted)
 
     def live_in_storages(self) -> set[int]:
         """Data pointers of the live-ins' storages (a ``.grad`` sharing one must
@@ -294,7 +302,7 @@ class CompiledSplitBackward:
         split: SplitResult,
         graphs: RegionGraphs,
         name: str,
-        input_is_tensor: Sequence[bool] | None = None,
+        layout: GradientLayout | None = None,
         fused_backward: bool = True,
         fused_accumulation: bool | None = None,
     ) -> None:
@@ -306,10 +314,15 @@ class CompiledSplitBackward:
         self.fused_backward = fused_backward
         # None: fxsplit.config.fused_accumulation decides at W; False: never.
         self.fused_accumulation = fused_accumulation
-        # Which forward inputs are tensors: the autograd node has an edge per
-        # tensor input only, while the backward returns one output per input
-        # (None for SymInts, e.g. with dynamic shapes).
-        self.input_is_tensor = tuple(input_is_tensor) if input_is_tensor is not None else None
+        # Which forward input each backward output is (part of) the gradient
+        # of: the autograd node has an edge per tensor input only, and a
+        # DTensor weight's gradient is several outputs.
+        self.layout = layout if layout is not None else GradientLayout.plain(split.num_outputs)
+        # One per weight, in dW output order: the pieces W hands to autograd as one gradient.
+        self.weight_grads: tuple[WeightGradient, ...] = self.layout.weight_gradients(split.dw_outputs)
+        # Builds DTensor gradients from their pieces; read off the region's
+        # autograd node by the first split backward (see _input_only).
+        self._subclass_grads: ti.SubclassGradients | None = None
         self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
         self.accumulating_runs = 0
         self.graph_ns = {"fused": 0, "dI": 0, "dW": 0}
@@ -317,13 +330,17 @@ class CompiledSplitBackward:
         self._compiled: dict[Any, ti.BoxedCallable | None] = {}
         # Callables that tools and tests put in place of a graph (see _run_di).
         self._replaced: dict[str, ti.BoxedCallable] = {}
-        out_vals = [n.meta.get("val") for n in split.dw_graph.graph.output_node().args[0]
-                    if isinstance(n, torch.fx.Node)] if split.dw_outputs else []
-        # The dtype of each dW output (None where unknown): .grad must match
-        # for the gradient to be accumulated inside the graph.
-        self.dw_output_dtypes: tuple[torch.dtype | None, ...] = tuple(
-            v.dtype if isinstance(v, torch.Tensor) else None for v in out_vals
-        ) if len(out_vals) == len(split.dw_outputs) else (None,) * len(split.dw_outputs)
+        out_vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+                    for n in split.dw_graph.graph.output_node().args[0]] if split.dw_outputs else []
+        # The dtype of each weight's gradient (None where unknown, and for a
+        # subclass gradient): .grad must match for the gradient to be
+        # accumulated inside the graph.
+        self.weight_grad_dtypes: tuple[torch.dtype | None, ...] = tuple(
+            None if g.subclass or len(g.positions) != 1 or len(out_vals) != len(split.dw_outputs)
+            or not isinstance(out_vals[g.positions[0]], torch.Tensor)
+            else out_vals[g.positions[0]].dtype
+            for g in self.weight_grads
+        )
 
     def __repr__(self) -> str:
         return f"<CompiledSplitBackward {self.name} stats={self.stats}>"
@@ -410,6 +427,37 @@ class CompiledSplitBackward:
                 self._compiled[key] = fn
             return self._compiled[key]
 
+    def dw_positions(self, weights: Sequence[int]) -> tuple[int, ...]:
+        """The dW output positions of the gradients of plain weights ``weights``
+        (indices into :attr:`weight_grads`), for :meth:`accumulating_graph`."""
+        result = []
+        for k in weights:
+            grad = self.weight_grads[k]
+            if grad.subclass or len(grad.positions) != 1:
+                raise ValueError(f"fxsplit: {self.name}: weight {k}'s gradient is a tensor subclass")
+            result.append(grad.positions[0])
+        return tuple(result)
+
+    def weight_gradient_values(self, dw_vals: Sequence[Any]) -> list[Any]:
+        """One gradient per :attr:`weight_grads` from the dW graph's outputs
+        ``dw_vals``: a plain weight's output as it is, a subclass weight's
+        (DTensor) rebuilt from its pieces as AOTAutograd would after the fused
+        backward; ``None`` where an output is ``None`` (accumulated in the graph)."""
+        if not self.layout.subclass_inputs:
+            return list(dw_vals)
+        flat: list[Any] | None = None
+        result: list[Any] = []
+        for grad in self.weight_grads:
+            if not grad.subclass:
+                result.append(dw_vals[grad.positions[0]])
+                continue
+            if self._subclass_grads is None:
+                raise RuntimeError(f"fxsplit: {self.name}: no split backward ran, so its DTensor gradients cannot be built")
+            if flat is None:
+                flat = self._assemble((), dw_vals)
+            result.append(self._subclass_grads.gradient(grad.input_index, flat))
+        return result
+
     # -- graph-level pieces -------------------------------------------------
     def run_dw(self, live_ins: list[Any], timings: dict[str, int] | None = None) -> list[Any]:
         # Outside the autograd engine: reproduce the state it runs backward
@@ -486,51 +534,42 @@ class CompiledSplitBackward:
         return self._input_only(call, node, args)
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
-        edges = self._edges_by_output(node.next_functions)
+        edges = self.layout.edges_by_output(node.next_functions, self.name)
+        if self._subclass_grads is None and self.layout.subclass_inputs:
+            self._subclass_grads = ti.SubclassGradients.of(node)
         di_vals, live = self._di_and_live(args, call.timings)
         args.clear()
         if call.release_saved and node not in call.keep:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
-        params, accumulators = self._params_of(edges, self.split.dw_outputs, call.weight_ids)
+        params, accumulators = self._params_of(edges, call.weight_ids)
         call.records.append(CompiledWeightWork(self, live, params, accumulators))
+        result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
-        for i, v in zip(self.split.di_outputs, di_vals):
+        handed: set[int] = set()
+        for i in self.split.di_outputs:
+            owner = self.layout.owners[i]
             fn, input_nr = edges[i] if edges[i] is not None else (None, 0)
-            if v is not None and fn is not None and not ti.engine_will_execute(fn):
-                call.deferred.append(DeferredGrad(node, fn, input_nr, v))
-        return self._assemble(di_vals, None)
+            if owner is None or owner in handed or result[i] is None or fn is None or ti.engine_will_execute(fn):
+                continue
+            handed.add(owner)
+            value = result[i]
+            if owner in self.layout.subclass_inputs and self._subclass_grads is not None:
+                value = self._subclass_grads.gradient(owner, result)
+            if value is not None:
+                call.deferred.append(DeferredGrad(node, fn, input_nr, value))
+        return result
 
-    def _edges_by_output(self, edges: Sequence[Any]) -> list[Any]:
-        """The autograd edge each backward output flows into (``None`` for a
-        non-tensor forward input, which has no edge)."""
-        n = self.split.num_outputs
-        if len(edges) == n:
-            return list(edges)
-        flags = self.input_is_tensor
-        if flags is not None and len(flags) == n and sum(flags) == len(edges):
-            it = iter(edges)
-            return [next(it) if is_tensor else None for is_tensor in flags]
-        raise RuntimeError(
-            f"fxsplit: {self.name}: the autograd node has {len(edges)} inputs but the backward "
-            f"graph has {n} outputs (forward tensor inputs: "
-            f"{'unknown' if flags is None else sum(flags)}), so weight gradients cannot be matched "
-            "to parameters. Compile this module with backend='inductor' and use the eager split, "
-            "or report this with the module that triggers it."
-        )
-
-    @staticmethod
-    def _params_of(
-        edges: Sequence[Any], positions: Sequence[int], wanted: frozenset[int]
-    ) -> tuple[list[torch.Tensor | None], list[Any]]:
-        """The parameter behind each weight-gradient output, if it was given to B,
-        and its grad accumulator."""
+    def _params_of(self, edges: Sequence[Any], wanted: frozenset[int]) -> tuple[list[torch.Tensor | None], list[Any]]:
+        """The parameter behind each weight's gradient (:attr:`weight_grads`),
+        if it was given to B, and its grad accumulator. ``edges``: per backward output."""
         params: list[torch.Tensor | None] = []
         accumulators: list[Any] = []
-        for i in positions:
-            fn = edges[i][0] if edges[i] is not None else None
+        for grad in self.weight_grads:
+            edge = edges[self.split.dw_outputs[grad.positions[0]]]
+            fn = edge[0] if edge is not None else None
             var = getattr(fn, "variable", None) if fn is not None and ti.is_accumulate_grad(fn) else None
             keep = isinstance(var, torch.nn.Parameter) and id(var) in wanted
             params.append(var if keep else None)

@@ -52,6 +52,7 @@ from fxsplit.passes.cut import Cut, choose_cut
 from fxsplit.passes.first_stage import WeightLeaves, weight_leaves
 from fxsplit.passes.memory import bindings_from_values, evaluate_bytes, storage_root, value_bytes
 from fxsplit.passes.placement import DEFER_MODES, Placement, place_weight_work
+from fxsplit.passes.roles import is_contraction
 from fxsplit.passes.shared import OutputSubset, SharedNode, find_shared_nodes, split_shared_node
 from fxsplit.passes.symbols import is_symbolic_scalar, missing_bindings
 
@@ -139,6 +140,17 @@ class SplitResult:
     placement: Placement = Placement()
     cut: Cut = Cut()
     leaves: WeightLeaves | None = None
+    misplaced_contractions: tuple[str, ...] = ()
+
+    @property
+    def weight_contractions_in_di(self) -> tuple[str, ...]:
+        """Matmul-like nodes (:func:`fxsplit.passes.roles.is_contraction`) the dI
+        graph runs that its own job (the input gradients; a first stage's
+        activation-gradient chain) does not need: weight-gradient work left in
+        B. Empty for every split this pass makes (an ``"unsplit"`` shared node
+        is needed by dI: its weight work is :attr:`weight_work_in_di`); the
+        backend refuses to compile a region where it is not."""
+        return self.misplaced_contractions
 
     @property
     def weight_work_in_di(self) -> tuple[SharedNode, ...]:
@@ -421,6 +433,9 @@ def split_backward(
         graph, [*(rets[i] for i in di_outputs), *(n for n in live_nodes if n.op != "placeholder")]
     )
 
+    needed_by_di = _ancestors(roots)
+    misplaced = tuple(n.name for n in graph.nodes if n in di_nodes and is_contraction(n) and n not in needed_by_di)
+
     di = _build_di_graph(graph, placeholders, di_nodes, [rets[i] for i in di_outputs], live_nodes)
     dw = _build_dw_graph(live_nodes, dw_body, [rets[i] for i in dw_outputs])
     _narrow_output_descs(bw, di, dw, di_outputs, dw_outputs, len(live_nodes))
@@ -438,6 +453,7 @@ def split_backward(
         placement=placement,
         cut=cut,
         leaves=leaves,
+        misplaced_contractions=misplaced,
     )
 
 
