@@ -1,0 +1,278 @@
+"""Tensor parallelism (DTensor TP, sequence parallelism) inside split regions.
+
+Real 2-rank gloo runs on CPU (:mod:`tp_harness`): a Llama-style block and
+single layers, parallelized with ``parallelize_module`` on a ``tp`` mesh and
+compiled with fxsplit, split as a zero-bubble schedule splits them (B0, B1,
+W1, W0). In-rank, the input gradients and every weight gradient (a DTensor:
+placements and local tensor) are compared with ordinary backward on identical
+copies, compiled and uncompiled, and their ``full_tensor()`` with an unsharded
+module on the full input. Here: which collectives each phase ran, where the
+split put them, and the FLOPs of each phase. Single-process tests on a
+1-rank mesh cover the compile-time refusals (never silent).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxsplit
+from fxsplit import _torch_internals
+
+sys.path.insert(0, os.path.dirname(__file__))
+import pipeline_harness as ph  # noqa: E402
+import tp_harness as th  # noqa: E402
+
+fxsplit_backend = importlib.import_module("fxsplit.backend")
+
+LayerCase = th.LayerCase
+CASES = [
+    LayerCase("block"),
+    LayerCase("block", sp=True),
+    LayerCase("block", sp=True, defer="all"),
+    LayerCase("block", eager_below=True),
+    LayerCase("colwise"),
+    LayerCase("rowwise"),
+    LayerCase("sp_mlp"),
+]
+GATHER, SCATTER, REDUCE = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
+# The collectives of each layer kind's backward (functional collectives, in
+# graph order), all of which the split puts in dI: README's table.
+BACKWARD_COLLECTIVES = {
+    # every column-wise projection's input gradient is a partial sum: q, k, v; w1, w3
+    "block-eager": [REDUCE] * 5,
+    "block-eager-eager_below": [REDUCE] * 5,
+    # the output gradient is gathered over the sequence, the input gradient
+    # reduce-scattered back to it, once for the attention and once for the MLP
+    "block-sp-eager": [GATHER, SCATTER] * 2,
+    "block-sp-eager-defer_all": [GATHER, SCATTER] * 2,
+    "colwise-eager": [REDUCE],
+    "rowwise-eager": [],
+    "sp_mlp-sp-eager": [GATHER, SCATTER],
+}
+# The c10d op each functional collective runs as (what the profiler sees).
+C10D = {GATHER: "allgather_into_tensor_coalesced_", SCATTER: "reduce_scatter_tensor_coalesced_",
+        REDUCE: "allreduce_"}
+
+
+@pytest.fixture(scope="module")
+def tp_world() -> dict[str, list[dict[str, Any]]]:
+    """case name -> both ranks' results, from one 2-rank world running every case."""
+    per_rank = ph.run_world(CASES, world=th.TP, timeout_s=600, runner=th.run_tp_case)
+    by_case: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for rank_results in per_rank:
+        for result in rank_results:
+            by_case[result["case"]].append(result)
+    return by_case
+
+
+def _counts(functional: list[str]) -> dict[str, int]:
+    return dict(collections.Counter(C10D[op] for op in functional))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gradients_match_ordinary_backward(tp_world: dict[str, list[dict[str, Any]]], case: LayerCase) -> None:
+    """Both ranks checked every gradient in-rank (see tp_harness.run_layer_case);
+    the weight gradients are DTensors placed as ordinary backward places them."""
+    results = tp_world[case.name]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["stats"]["di_runs"] == th.N_MICROBATCHES and r["stats"]["dw_runs"] == th.N_MICROBATCHES
+        assert r["stats"]["fused_runs"] == 0
+        placements = r["placements"]
+        if case.kind == "block":
+            prefix = "inner." if case.eager_below else ""
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+                assert placements[f"{prefix}{name}.weight"] == ["Shard(dim=0)"], (name, placements)
+            for name in ("attention.wo", "feed_forward.w2"):
+                assert placements[f"{prefix}{name}.weight"] == ["Shard(dim=1)"], (name, placements)
+            norms = [placements[f"{prefix}{n}.weight"] for n in ("attention_norm", "ffn_norm")]
+            # sequence parallel: each rank holds the partial sum over its tokens, as ordinary backward leaves it
+            assert norms == ([["Partial(sum)"]] * 2 if case.sp else [None, None]), norms
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_collectives_run_once_in_b_and_never_in_w(tp_world: dict[str, list[dict[str, Any]]],
+                                                   case: LayerCase) -> None:
+    """Every collective of the backward is in the dI graph, none in dW; at run time
+    B issues exactly what ordinary backward issues, W issues nothing."""
+    expected = BACKWARD_COLLECTIVES[case.name]
+    for r in tp_world[case.name]:
+        where = f"{case.name} rank {r['rank']}"
+        assert r["fused_collectives"] == expected, where
+        assert r["di_collectives"] == expected and r["dw_collectives"] == [], where
+        for k in range(th.N_MICROBATCHES):
+            b, w, ordinary = r["b"][k][0], r["w"][k][0], r["ordinary"][k][0]
+            assert b == ordinary == _counts(expected), (where, k, b, ordinary)
+            assert w == {}, (where, k, w)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_b_does_no_weight_gradient_matmul(tp_world: dict[str, list[dict[str, Any]]], case: LayerCase) -> None:
+    """W's matmul FLOPs are exactly the weight-gradient matmuls at the local shapes
+    (the eager Linear below the region included), B's the rest of ordinary backward."""
+    for r in tp_world[case.name]:
+        where = f"{case.name} rank {r['rank']}"
+        weight = r["weight_grad_flops"] + r["eager_weight_flops"]
+        assert weight > 0, where
+        for k in range(th.N_MICROBATCHES):
+            b, w, ordinary = r["b"][k][1], r["w"][k][1], r["ordinary"][k][1]
+            assert w == weight, (where, k, w, weight)
+            assert b + w == ordinary, (where, k, b, w, ordinary)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.sequence_parallel and c.defer is None], ids=lambda c: c.name)
+def test_sequence_parallel_gathered_gradient_crosses(tp_world: dict[str, list[dict[str, Any]]],
+                                                     case: LayerCase) -> None:
+    """The output gradient all-gathered in dI, which the weight-gradient matmul
+    also reads, crosses to W as a live-in: W gathers nothing again."""
+    for r in tp_world[case.name]:
+        assert r["gathered_output_grad_crosses"], r["live_ins"]
+        assert r["w"][0][0] == {} and r["w"][1][0] == {}
+
+
+def test_plain_weights_of_a_tp_region_accumulate_in_the_graph(tp_world: dict[str, list[dict[str, Any]]]) -> None:
+    """Without sequence parallelism the norm weights are plain tensors beside the
+    DTensor weights: from the second microbatch on they accumulate inside the dW
+    graph, while the DTensor gradients go through autograd."""
+    for r in tp_world["block-eager"]:
+        assert r["accumulated_in_graph"] == ["attention_norm.weight", "ffn_norm.weight"], r["accumulated_in_graph"]
+    for r in tp_world["block-sp-eager"]:
+        assert r["accumulated_in_graph"] == [], r["accumulated_in_graph"]
+
+
+@pytest.mark.inductor
+def test_inductor_tp_block_and_the_eager_split_for_comparison() -> None:
+    """With Inductor: the sequence-parallel block splits as with the eager compiler.
+    For comparison, the same block compiled by backend="inductor" through fxsplit's
+    eager split (the way upstream splits compiled stages): B runs the region's
+    whole backward, and W runs it again, every collective and matmul included."""
+    cases = [LayerCase("block", sp=True, compiler="inductor"), th.EagerSplitCase(sp=True)]
+    per_rank = ph.run_world(cases, world=th.TP, timeout_s=600, runner=th.run_tp_case)
+    expected = _counts([GATHER, SCATTER] * 2)
+    for split, eager in per_rank:
+        where = f"rank {split['rank']}"
+        assert split["di_collectives"] == [GATHER, SCATTER] * 2 and split["dw_collectives"] == [], where
+        for k in range(th.N_MICROBATCHES):
+            assert split["b"][k][0] == expected and split["w"][k][0] == {}, (where, split["b"][k], split["w"][k])
+            assert split["w"][k][1] == split["weight_grad_flops"], where
+            assert split["b"][k][1] + split["w"][k][1] == split["ordinary"][k][1], where
+        # the eager split: W repeats every collective and every matmul FLOP of the backward
+        (b_coll, b_flops), (w_coll, w_flops), (o_coll, o_flops) = eager["b"], eager["w"], eager["ordinary"]
+        assert b_coll == w_coll == o_coll == expected, (where, eager)
+        assert b_flops == w_flops == o_flops > 0, (where, eager)
+
+
+# ---------------------------------------------------------------------------------------------
+# single process, 1-rank mesh: compile-time refusals
+@pytest.fixture
+def tp_mesh_of_one() -> Any:
+    """A 1-rank gloo process group in this process and a 1-rank ``tp`` mesh on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():  # pragma: no cover - another test leaked a group
+        pytest.fail("a process group is already initialized in the test process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_stage(mesh: Any) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model, plan = th.build(LayerCase("block"))
+    parallelize_module(model, mesh, plan)
+    return model, list(model.parameters())
+
+
+def _as_old_reader(parts: list[Any] | None) -> list[Any] | None:
+    """What fxsplit read before it knew subclass descriptors: a DTensor weight's pieces unidentified."""
+    if parts is None:
+        return None
+    return [dataclasses.replace(p, input_index=None) if p is not None and p.part else p for p in parts]
+
+
+def _compile_error(fn: Any) -> fxsplit.FxsplitCompileError:
+    with pytest.raises(Exception) as info:
+        fn()
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+    errors = [e for e in chain if isinstance(e, fxsplit.FxsplitCompileError)]
+    assert errors, f"no FxsplitCompileError in {[type(e).__name__ for e in chain]}"
+    return errors[0]
+
+
+def test_unidentified_weight_gradients_are_a_compile_error(tp_mesh_of_one: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region whose backward outputs cannot all be attributed to an input is
+    refused when it compiles (it would otherwise split with weight-gradient
+    matmuls in dI), under fallback="error" as FxsplitCompileError."""
+    real = _torch_internals.backward_output_parts
+    monkeypatch.setattr(_torch_internals, "backward_output_parts", lambda bw: _as_old_reader(real(bw)))
+    model, _ = _tp_stage(tp_mesh_of_one)
+    model.compile(backend=fxsplit.backend(compiler="eager", fallback="error"))
+    x = torch.randn(th.BATCH, th.SEQ, th.DIM, requires_grad=True)
+    err = _compile_error(lambda: model(x))
+    assert err.graph == "split" and "_local_tensor" in str(err) and "cannot tell" in str(err), str(err)
+
+
+@pytest.mark.fallback
+def test_unidentified_weight_gradients_fall_back_with_one_warning(
+    tp_mesh_of_one: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under fallback="eager" the same region runs eagerly after one warning (the
+    eager split still applies, with ordinary backward's gradients)."""
+    import copy
+
+    real = _torch_internals.backward_output_parts
+    monkeypatch.setattr(_torch_internals, "backward_output_parts", lambda bw: _as_old_reader(real(bw)))
+    model, params = _tp_stage(tp_mesh_of_one)
+    plain = copy.deepcopy(model)
+    model.compile(backend=fxsplit.backend(compiler="eager", fallback="eager"))
+    before = len(fxsplit.fallbacks())
+    x = torch.randn(th.BATCH, th.SEQ, th.DIM)
+    dy = torch.randn(th.BATCH, th.SEQ, th.DIM)
+    xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with caplog.at_level(logging.WARNING, logger="fxsplit"):
+        out = model(xs)
+        dx, work = fxsplit.stage_backward_input([out], [dy], [xs], params)
+        fxsplit.stage_backward_weight(params, work)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fxsplit" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot tell" in warnings[0], warnings
+    (record,) = fxsplit.fallbacks()[before:]
+    assert record.graph == "split"
+    plain(xo).backward(dy)
+    torch.testing.assert_close(dx[0], xo.grad)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        th._assert_same_grad(p.grad, q.grad, name)
+
+
+def test_a_weight_gradient_matmul_left_in_di_is_a_compile_error(tp_mesh_of_one: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split whose dI graph would run a weight-gradient matmul is refused when the region compiles."""
+    real = fxsplit_backend.split_backward
+
+    def misplacing(*args: Any, **kwargs: Any) -> Any:
+        split = real(*args, **kwargs)
+        assert split.weight_contractions_in_di == ()  # what the pass itself produces
+        mm = next(n.name for n in split.dw_graph.graph.nodes if n.target is torch.ops.aten.mm.default)
+        return dataclasses.replace(split, misplaced_contractions=(mm,))
+
+    monkeypatch.setattr(fxsplit_backend, "split_backward", misplacing)
+    model, _ = _tp_stage(tp_mesh_of_one)
+    model.compile(backend=fxsplit.backend(compiler="eager", fallback="error"))
+    err = _compile_error(lambda: model(torch.randn(th.BATCH, th.SEQ, th.DIM, requires_grad=True)))
+    assert err.graph == "split" and "weight-gradient matmul" in str(err) and "in dI" in str(err), str(err)
