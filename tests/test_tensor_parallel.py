@@ -276,3 +276,112 @@ def test_a_weight_gradient_matmul_left_in_di_is_a_compile_error(tp_mesh_of_one: 
     model.compile(backend=fxsplit.backend(compiler="eager", fallback="error"))
     err = _compile_error(lambda: model(torch.randn(th.BATCH, th.SEQ, th.DIM, requires_grad=True)))
     assert err.graph == "split" and "weight-gradient matmul" in str(err) and "in dI" in str(err), str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-D parallelism: tensor x pipeline (4 ranks), and x FSDP2 (8 ranks)
+import tp_pp_harness as tpp  # noqa: E402
+
+TPPPCase = tpp.TPPPCase
+SPLIT_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble")
+TP_PP_CASES = [TPPPCase(s, sp) for s in SPLIT_SCHEDULES for sp in (False, True)]
+TP_PP_CASES.append(TPPPCase("ScheduleZBVZeroBubble", sp=True, compile="blocks"))
+FSDP_CASE = TPPPCase("ScheduleZBVZeroBubble", sp=True, fsdp=True)
+FSDP_OPS = ("_allgather_base_", "_reduce_scatter_base_", "allgather_", "reduce_scatter_")
+
+
+def _skip_where_upstream_fails(case: TPPPCase) -> None:
+    why = ph.upstream_schedule_failure(case.schedule)
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def tp_pp_world() -> dict[str, list[dict[str, Any]]]:
+    """case name -> the four ranks' results, from one 4-rank world running every case."""
+    runnable = [c for c in TP_PP_CASES if ph.upstream_schedule_failure(c.schedule) is None]
+    per_rank = ph.run_world(runnable, world=PP_TP_WORLD, timeout_s=600, runner=tpp.run_tp_pp_case)
+    by_case: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for rank_results in per_rank:
+        for result in rank_results:
+            by_case[result["case"]].append(result)
+    return by_case
+
+
+PP_TP_WORLD = tpp.PP * tpp.TP
+
+
+def _check_pipeline_run(case: TPPPCase, results: list[dict[str, Any]]) -> None:
+    """Coverage of the in-rank checks (losses and full gradients against the
+    single-process reference, both steps), then, per action of the last step:
+    I ran only dI graphs and W only dW graphs; W issued no collective; with
+    every module compiled, I's matmul FLOPs are the input-gradient ones and W's
+    the weight-gradient ones at the local shapes; without FSDP, I and W together
+    issue exactly the collectives and FLOPs of one ordinary backward of the stage."""
+    assert sorted(r["rank"] for r in results) == list(range(case.world))
+    stages = {s for r in results for s in r["stages"]}
+    assert stages == set(range(tpp.N_STAGES))
+    with_loss = [r for r in results if tpp.N_STAGES - 1 in r["stages"]]
+    assert len(with_loss) == case.world // tpp.PP
+    for r in with_loss:
+        assert len(r["losses"]) == tpp.N_STEPS and all(len(v) == tpp.N_MICROBATCHES for v in r["losses"])
+    for r in results:
+        where = f"{case.name} rank {r['rank']}"
+        assert r["grads_checked"] > 0, where
+        per_stage: dict[int, dict[str, list[dict[str, Any]]]] = collections.defaultdict(lambda: {"I": [], "W": []})
+        for a in r["actions"]:
+            assert a["kind"] in ("I", "W"), (where, a)  # zero-bubble schedules: no full B
+            per_stage[a["stage"]][a["kind"]].append(a)
+        for s, kinds in per_stage.items():
+            assert len(kinds["I"]) == len(kinds["W"]) == tpp.N_MICROBATCHES, (where, s)
+            weight = r["weight_grad_flops"][s]
+            input_flops = weight - r["input_proj_flops"][s]  # stage 0's input needs no gradient
+            yard = r["yardstick"].get(s) if isinstance(r["yardstick"], dict) else None
+            yard = yard if yard is not None else r["yardstick"].get(str(s))
+            for i, w in zip(sorted(kinds["I"], key=lambda a: a["mb"]), sorted(kinds["W"], key=lambda a: a["mb"])):
+                what = f"{where} stage {s} mb {i['mb']}"
+                assert i["di_runs"] >= 1 and i["dw_runs"] == 0 and i["fused_runs"] == 0, (what, i)
+                assert w["dw_runs"] >= 1 and w["di_runs"] == 0 and w["fused_runs"] == 0, (what, w)
+                assert not any(op in FSDP_OPS for op in i["collectives"]), (what, i["collectives"])
+                if case.compile == "all":
+                    assert w["collectives"] == {}, (what, w["collectives"])
+                    assert (i["flops"], w["flops"]) == (input_flops, weight), (what, i["flops"], w["flops"])
+                if yard is not None:
+                    both = collections.Counter(i["collectives"]) + collections.Counter(w["collectives"])
+                    assert dict(both) == yard[0], (what, i["collectives"], w["collectives"], yard[0])
+                    if case.compile == "all":
+                        assert i["flops"] + w["flops"] == yard[1], (what, i["flops"], w["flops"], yard[1])
+
+
+@pytest.mark.parametrize("case", TP_PP_CASES, ids=lambda c: c.name)
+def test_tp_pp_zero_bubble(tp_pp_world: dict[str, list[dict[str, Any]]], case: TPPPCase) -> None:
+    _skip_where_upstream_fails(case)
+    _check_pipeline_run(case, tp_pp_world[case.name])
+
+
+def test_tp_pp_blocks_only_compiled_eager_projections_split_at_w(
+        tp_pp_world: dict[str, list[dict[str, Any]]]) -> None:
+    """Only the blocks compiled (torchtitan's way): the eager, sequence-parallel input
+    projection of stage 0 gathers its output gradient for its weight gradient, which
+    only W needs, so that all-gather runs in W, once; every other collective runs in I."""
+    case = TP_PP_CASES[-1]
+    _skip_where_upstream_fails(case)
+    for r in tp_pp_world[case.name]:
+        for a in r["actions"]:
+            if a["kind"] == "W":
+                expected = {"allgather_into_tensor_coalesced_": 1} if a["stage"] == 0 else {}
+                assert a["collectives"] == expected, (r["rank"], a)
+
+
+def test_tp_pp_fsdp_zero_bubble() -> None:
+    """TP x PP x FSDP2 on 8 ranks (2 x 2 x 2): ZB-V, sequence parallel, per-block
+    compile and fully_shard. As above, and FSDP's own collectives stay outside I
+    and W (gathered at the schedule's UNSHARD, reduce-scattered at REDUCE_GRAD)."""
+    _skip_where_upstream_fails(FSDP_CASE)
+    results = [r[0] for r in ph.run_world([FSDP_CASE], world=FSDP_CASE.world, timeout_s=900,
+                                          runner=tpp.run_tp_pp_case)]
+    _check_pipeline_run(FSDP_CASE, results)
+    for r in results:
+        labels = [label for op, label in r["collectives"] if op in FSDP_OPS]
+        assert any("REDUCE_GRAD" in label for label in labels), (r["rank"], r["collectives"])
+        assert not any(":I" in label or ":W" in label for label in labels), (r["rank"], labels)

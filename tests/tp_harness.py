@@ -191,14 +191,20 @@ def collective_counts(prof: Any) -> dict[str, int]:
 
 
 class Phase:
-    """Runs ``fn`` under the profiler and the matmul FLOP counter; keeps what they saw."""
+    """Runs ``fn`` under the profiler and (``flops=True``) the matmul FLOP counter;
+    keeps what they saw (``flops`` is ``None`` when not counted). The counter is a
+    dispatch mode: it sees compiled graphs' ops at their local shapes, but eager
+    DTensor code under it fails (a redistribute's backward gets a plain tensor)."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, flops: bool = True) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            with ph.MatmulFlops() as counter:
+            if flops:
+                with ph.MatmulFlops() as counter:
+                    fn()
+            else:
                 fn()
         self.collectives = collective_counts(prof)
-        self.flops = counter.total
+        self.flops = counter.total if flops else None
 
 
 def graph_collectives(gm: torch.fx.GraphModule) -> list[str]:
