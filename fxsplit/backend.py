@@ -479,10 +479,12 @@ def _compile_split_backward(
             graphs.frame_build = None
     _REGIONS[next(_region_serials)] = region
     log.info(
-        "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW, %d live-ins "
+        "fxsplit: compiled %s with %s: %d input grads in dI, %d weight grads in dW%s, %d live-ins "
         "holding %s bytes%s%s",
-        name, opts.compiler, len(split.di_outputs), len(split.dw_outputs), len(split.live_ins),
-        split.live_in_bytes_expr,
+        name, opts.compiler, len(split.di_outputs), len(region.weight_grads),
+        f" ({sum(g.subclass for g in region.weight_grads)} of them DTensors or other tensor subclasses; "
+        f"{len(split.dw_outputs)} outputs)" if any(g.subclass for g in region.weight_grads) else "",
+        len(split.live_ins), split.live_in_bytes_expr,
         " (first stage: dI runs the activation-gradient chain)" if split.mode == "first_stage" else "",
         "" if eager else "; its backward graphs compile on first use",
     )
