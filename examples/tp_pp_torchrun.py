@@ -1,0 +1,232 @@
+"""Tensor x pipeline (x FSDP2) parallelism: a small Llama-style LM on ZB-V, CPU with gloo.
+
+    torchrun --nproc-per-node 4 examples/tp_pp_torchrun.py [--tp 2] [--dp 1] [--no-sp]
+        [--compiler inductor|eager] [--steps 3]
+
+The ranks form a ``(pp, dp, tp)`` device mesh, tensor parallelism innermost
+(``tp`` consecutive ranks, on one node when run on several). Each pipeline
+rank holds two stages of the model (V placement: pipeline rank r holds
+stages r and 2*pp-1-r); stage 0 starts with the token embedding, the last
+stage ends with the final norm and the output projection. Every module is
+laid out as torchtitan lays it out, with ``parallelize_module`` over ``tp``:
+the blocks with :func:`fxsplit.bench.tp_block.block_plan` (q/k/v and w1/w3
+column-wise, o and w2 row-wise; with sequence parallelism, the default, the
+norms run on sequence shards), the embedding row-wise, the output projection
+column-wise to replicated logits. Then every block (and the embedding and
+the head, modules of our own classes) is compiled in place with the fxsplit
+backend, then, with ``--dp`` > 1, sharded with ``fully_shard`` over ``dp``,
+and the stages run ``ScheduleZBVZeroBubble`` over
+:class:`fxsplit.pipelining.PipelineStage`.
+
+At ``I`` the compiled dI graphs run, with the tensor-parallel collectives of
+the input-gradient chain; at ``W`` the compiled dW graphs run, communicating
+nothing (with sequence parallelism, the all-gathered output gradient that a
+weight-gradient matmul also reads is kept from ``I``). The last step is
+profiled: rank 0 prints the collectives every rank issued by action, and
+each rank's fxsplit region counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import ScheduleZBVZeroBubble
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+import fxsplit
+from fxsplit.bench.models import RMSNorm
+from fxsplit.bench.tp_block import TPBlock, block_plan
+from fxsplit.pipelining import PipelineStage
+
+
+class Embedding(nn.Module):
+    """The token embedding, in a class of our own so that it compiles in place."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+
+class Stage(nn.Module):
+    def __init__(self, args: argparse.Namespace, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = Embedding(args.vocab, args.dim) if first else None
+        self.layers = nn.ModuleList(TPBlock(args.dim, args.heads, args.hidden) for _ in range(args.blocks_per_stage))
+        self.head = Head(args.dim, args.vocab) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def parallelize(stage: Stage, tp_mesh: object, sp: bool) -> None:
+    """torchtitan's layout: embedding row-wise (sharded over the vocabulary), the
+    blocks' plan, output column-wise to replicated logits; with sequence
+    parallelism the activations between them are sharded on the sequence (dim 1)."""
+    plan = {}
+    if stage.embed is not None:
+        plan["embed.tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                       output_layouts=Shard(1) if sp else Replicate())
+    for k in range(len(stage.layers)):
+        plan.update(block_plan(sp, prefix=f"layers.{k}."))
+    if stage.head is not None:
+        if sp:
+            plan["head.norm"] = SequenceParallel()
+        plan["head.output"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                              output_layouts=Replicate())
+    parallelize_module(stage, tp_mesh, plan)
+
+
+class LabelledStage(PipelineStage):
+    """Names each action in the profiler, so the collectives can be told apart by action."""
+
+    def forward_one_chunk(self, mb: int, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with torch.profiler.record_function(f"action {self.stage_index}:F{mb}"):
+            return super().forward_one_chunk(mb, *args, **kwargs)
+
+    def backward_one_chunk(self, mb: int, *args, full_backward: bool = True, **kwargs):  # type: ignore[no-untyped-def]
+        with torch.profiler.record_function(f"action {self.stage_index}:{'B' if full_backward else 'I'}{mb}"):
+            return super().backward_one_chunk(mb, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, mb: int, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with torch.profiler.record_function(f"action {self.stage_index}:W{mb}"):
+            return super().backward_weight_one_chunk(mb, *args, **kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        with torch.profiler.record_function(f"action {self.stage_index}:REDUCE_GRAD"):
+            super().perform_reduce_grad(grad_scale_factor)
+
+
+def collectives(prof: torch.profiler.profile) -> collections.Counter:
+    """(c10d op, action kind) -> count, for the outermost c10d ops the profiler saw
+    (point-to-point sends and receives left out)."""
+    counts: collections.Counter = collections.Counter()
+    for evt in prof.events():
+        if not evt.name.startswith("c10d::") or evt.name in ("c10d::send", "c10d::recv_"):
+            continue
+        action, parent, nested = "schedule", evt.cpu_parent, False
+        while parent is not None:
+            nested = nested or parent.name.startswith("c10d::")
+            if parent.name.startswith("action ") and action == "schedule":
+                action = parent.name.split(":")[1].rstrip("0123456789")
+            parent = parent.cpu_parent
+        if not nested:
+            counts[(evt.name[len("c10d::"):], action)] += 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (innermost mesh dimension)")
+    parser.add_argument("--dp", type=int, default=1, help="FSDP2 degree (the rest of the world is pp)")
+    parser.add_argument("--no-sp", dest="sp", action="store_false", help="tensor parallelism without sequence parallelism")
+    parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--blocks-per-stage", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")  # torchrun sets MASTER_ADDR/PORT, RANK, WORLD_SIZE
+    world = dist.get_world_size()
+    if world % (args.tp * args.dp):
+        raise SystemExit(f"--tp {args.tp} x --dp {args.dp} must divide the world size {world}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    pp = world // (args.tp * args.dp)
+    mesh = init_device_mesh("cpu", (pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    n_stages = 2 * pp
+    stage_ids = [pp_rank, n_stages - 1 - pp_rank]  # V placement
+
+    torch.manual_seed(0)  # the same initial weights on every rank; each keeps its shards of its stages
+    all_stages = [Stage(args, first=(s == 0), last=(s == n_stages - 1)) for s in range(n_stages)]
+    backend = fxsplit.backend(compiler=args.compiler)
+    stages = []
+    for s in stage_ids:
+        module = all_stages[s]
+        parallelize(module, mesh["tp"], args.sp)
+        parts = [p for p in (module.embed, *module.layers, module.head) if p is not None]
+        for part in parts:
+            part.compile(backend=backend)  # in place: the ZB schedules refuse torch.compile's wrapper
+        if args.dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for part in parts:
+                fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+        stages.append(LabelledStage(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+    opt = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=1e-2)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+
+    schedule = ScheduleZBVZeroBubble(stages, args.microbatches, loss_fn=loss_fn)
+    local = args.microbatch_size * args.microbatches
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.dp * local, args.seq + 1), generator=g)  # the global batch
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    mine = slice(dp_rank * local, (dp_rank + 1) * local)  # this replica's share; the same on every tp rank
+
+    for step in range(args.steps):
+        losses: list[torch.Tensor] = []
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with profiler if step == args.steps - 1 else contextlib.nullcontext():
+            # pipeline rank 0 holds the first and the last stage of the V
+            schedule.step(x[mine], target=y[mine], losses=losses) if pp_rank == 0 else schedule.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if pp_rank == 0:
+            mean = torch.stack([v.detach() for v in losses]).mean()
+            dist.all_reduce(mean, group=mesh["dp"].get_group())  # average over the replicas
+            if dist.get_rank() == 0:
+                print(f"step {step}{' (compiles)' if step == 0 else ''}: loss {mean.item() / args.dp:.4f}", flush=True)
+
+    counters = collections.Counter()
+    for region in fxsplit.compiled_regions():
+        counters.update(region.stats)
+    comm = collectives(profiler)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (stage_ids, dict(counters), comm))
+    if dist.get_rank() == 0:
+        print(f"\nTP (tp={args.tp}, sequence parallel: {args.sp}) x ZB-V (pp={pp})"
+              f"{f' x FSDP2 (dp={args.dp})' if args.dp > 1 else ''}, {args.microbatches} microbatches, "
+              f"compiler={args.compiler}, torch {torch.__version__}")
+        for r, (ids, c, cm) in enumerate(gathered):
+            print(f"rank {r} stages {ids}: fxsplit counters (all steps) {c}")
+            for (op, action), n in sorted(cm.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+                print(f"    last step: {n} x {op} in {action}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
