@@ -46,7 +46,7 @@ def test_supported_torch_range_matches_pyproject() -> None:
 
 
 def test_benchmark_section_lists_every_bench_option() -> None:
-    from fxsplit.bench.run import build_parser
+    from fxsplit.cli import build_bench_parser as build_parser
 
     section = _section("## Benchmark")
     options = [s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
