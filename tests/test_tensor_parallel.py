@@ -43,6 +43,7 @@ CASES = [
     LayerCase("colwise"),
     LayerCase("rowwise"),
     LayerCase("sp_mlp"),
+    LayerCase("hf_llama"),
 ]
 GATHER, SCATTER, REDUCE = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
 # The collectives of each layer kind's backward (functional collectives, in
@@ -58,6 +59,7 @@ BACKWARD_COLLECTIVES = {
     "colwise-eager": [REDUCE],
     "rowwise-eager": [],
     "sp_mlp-sp-eager": [GATHER, SCATTER],
+    "hf_llama-eager": [REDUCE] * 5,  # q, k, v; gate, up
 }
 # The c10d op each functional collective runs as (what the profiler sees).
 C10D = {GATHER: "allgather_into_tensor_coalesced_", SCATTER: "reduce_scatter_tensor_coalesced_",
