@@ -1,7 +1,7 @@
 """Tensor x pipeline (x FSDP2) parallelism: a small Llama-style LM on ZB-V, CPU with gloo.
 
     torchrun --nproc-per-node 4 examples/tp_pp_torchrun.py [--tp 2] [--dp 1] [--no-sp]
-        [--compiler inductor|eager] [--steps 3]
+        [--compiler inductor|eager] [--backend fxsplit|inductor] [--steps 3]
 
 The ranks form a ``(pp, dp, tp)`` device mesh, tensor parallelism innermost
 (``tp`` consecutive ranks, on one node when run on several). Each pipeline
@@ -24,6 +24,11 @@ nothing (with sequence parallelism, the all-gathered output gradient that a
 weight-gradient matmul also reads is kept from ``I``). The last step is
 profiled: rank 0 prints the collectives every rank issued by action, and
 each rank's fxsplit region counters.
+
+``--backend inductor`` compiles the same modules with ``backend="inductor"``
+instead, for comparison: fxsplit's stage then splits them eagerly, as
+upstream splits compiled stages (each region's whole compiled backward runs
+at ``I``, and again at ``W``, every collective included).
 """
 
 from __future__ import annotations
@@ -145,7 +150,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (innermost mesh dimension)")
     parser.add_argument("--dp", type=int, default=1, help="FSDP2 degree (the rest of the world is pp)")
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="tensor parallelism without sequence parallelism")
-    parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
+                        help="fxsplit's inner compiler")
+    parser.add_argument("--backend", default="fxsplit", choices=["fxsplit", "inductor"],
+                        help="inductor: no ahead-of-time split, for comparison (the eager split re-runs each "
+                             "region's whole backward at W)")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
@@ -170,7 +179,10 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial weights on every rank; each keeps its shards of its stages
     all_stages = [Stage(args, first=(s == 0), last=(s == n_stages - 1)) for s in range(n_stages)]
-    backend = fxsplit.backend(compiler=args.compiler)
+    if args.backend == "inductor":
+        # W re-runs each region's backward from what I saved, which AOTAutograd's donated buffers forbid
+        torch._functorch.config.donated_buffer = False
+    backend = fxsplit.backend(compiler=args.compiler) if args.backend == "fxsplit" else "inductor"
     stages = []
     for s in stage_ids:
         module = all_stages[s]
@@ -220,7 +232,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"\nTP (tp={args.tp}, sequence parallel: {args.sp}) x ZB-V (pp={pp})"
               f"{f' x FSDP2 (dp={args.dp})' if args.dp > 1 else ''}, {args.microbatches} microbatches, "
-              f"compiler={args.compiler}, torch {torch.__version__}")
+              f"{f'compiler={args.compiler}' if args.backend == 'fxsplit' else 'backend=inductor'}, "
+              f"torch {torch.__version__}")
         for r, (ids, c, cm) in enumerate(gathered):
             print(f"rank {r} stages {ids}: fxsplit counters (all steps) {c}")
             for (op, action), n in sorted(cm.items(), key=lambda kv: (kv[0][1], kv[0][0])):
