@@ -35,10 +35,10 @@ def aot_config_for_split() -> Iterator[None]:
       split) at forward-compile time, inside the tracing context, and the
       autograd node carries our runtime from the first call on
       (``CompiledFunction.compiled_bw``).
-    * ``donated_buffer=False``: Inductor may otherwise reuse a saved
-      activation's storage inside the backward; the dI graph must not clobber
-      a value the dW graph still reads, and B runs with ``retain_graph=True``
-      when eager code needs it (donated buffers forbid that).
+    * ``donated_buffer=True`` (AOTAutograd's default), so that AOTAutograd
+      computes the region's donated-buffer list, which
+      :func:`declare_no_donated_buffers` then empties: fxsplit's graphs
+      donate nothing (see there).
     * ``enable_autograd_cache=False``: the AOTAutograd cache would store and
       replay Inductor's fused backward without our split.
     """
@@ -46,50 +46,45 @@ def aot_config_for_split() -> Iterator[None]:
 
     with functorch_config.patch(
         force_non_lazy_backward_lowering=True,
-        donated_buffer=False,
+        donated_buffer=True,
         enable_autograd_cache=False,
     ):
         yield
 
 
 def declare_no_donated_buffers() -> None:
-    """Record, for the region being compiled, that its backward donates no buffers.
+    """Make the region being compiled donate no buffers to its backward.
 
-    With ``donated_buffer=False`` at compile time AOTAutograd leaves
-    ``fw_metadata.bw_donated_idxs`` as ``None``, and its runtime check
-    (``runtime_wrappers.py``: ``config.donated_buffer and retain_graph and
-    bw_donated_idxs != []``) then refuses ``retain_graph=True``, which B needs
-    when eager code lies below a compiled region. Relies on
-    ``TracingContext.fw_metadata`` being the metadata the runtime reads (true
-    for plain-tensor regions; a region with tensor-subclass inputs records it
-    in metadata the runtime does not read: see :func:`declare_no_donated_buffers_of`).
+    A donated buffer is a saved activation whose storage Inductor may reuse
+    inside the backward. fxsplit's dI graph must not clobber a value the dW
+    graph still reads, and B runs with ``retain_graph=True`` when eager code
+    needs it, which AOTAutograd's runtime check refuses when buffers were
+    donated (``runtime_wrappers.py``, ``_backward_impl``:
+    ``config.donated_buffer and not saved_tensors_use_once and
+    fw_metadata.bw_donated_idxs != []``).
+
+    Empties, in place, the list AOTAutograd computed for the region
+    (``_categorize_saved_tensors_for_backward`` in ``graph_compile.py``,
+    under ``donated_buffer=True``: :func:`aot_config_for_split`). Relies on
+    ``TracingContext.fw_metadata.bw_donated_idxs`` being what Inductor reads
+    when it compiles our graphs (``torch._inductor.utils.get_donated_idxs``)
+    and the same list object as the one the runtime check reads: for a plain
+    region ``TracingContext.fw_metadata`` is that metadata; for a region with
+    tensor-subclass inputs (DTensor weights) it is the inner graph's, which
+    AOTAutograd gives the outer metadata's list (``inner_meta.bw_donated_idxs
+    = fw_metadata.bw_donated_idxs``). So ordinary backward with
+    ``retain_graph=True`` works through every fxsplit region.
     """
     from torch._guards import TracingContext
 
     ctx = TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
-        meta.bw_donated_idxs = []
-
-
-def declare_no_donated_buffers_of(node: Any) -> None:
-    """:func:`declare_no_donated_buffers` for a region with tensor-subclass
-    inputs (DTensor parameters), done on its autograd node before a split
-    backward that retains the graph runs through it.
-
-    For such a region ``TracingContext.fw_metadata`` is the metadata of the
-    inner (unwrapped) graph, while the runtime check reads the outer one,
-    ``CompiledFunction.metadata`` (the ``fw_metadata`` that ``_backward_impl``
-    closes over, ``runtime_wrappers.py``), whose ``bw_donated_idxs`` stays
-    ``None`` when compiled with ``donated_buffer=False``: B with
-    ``retain_graph=True`` would be refused although nothing was donated.
-    Relies on ``node._forward_cls.metadata``. An ordinary backward with
-    ``retain_graph=True`` through such a region before any split backward is
-    refused by AOTAutograd as with ``backend="inductor"``.
-    """
-    cls = getattr(node, "_forward_cls", None)
-    meta = getattr(cls, "metadata", None)
-    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
+    if meta is None:
+        return
+    donated = getattr(meta, "bw_donated_idxs", None)
+    if isinstance(donated, list):
+        donated.clear()  # in place: the outer metadata of a subclass region holds this list too
+    else:
         meta.bw_donated_idxs = []
 
 

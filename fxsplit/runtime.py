@@ -125,10 +125,8 @@ def registered(nodes: Sequence[Any], call: InputCall | _SplitDone) -> Iterator[N
                 f"({node.name()} is registered by it); B and W of one microbatch cannot overlap"
             )
     for node in nodes:
-        # B returns no weight gradients (a region with DTensor weights must accept
-        # that) and may retain the graph (a DTensor region must allow it).
+        # B returns no weight gradients: a region with DTensor weights must accept that.
         ti.let_backward_leave_subclass_gradients_out(node)
-        ti.declare_no_donated_buffers_of(node)
     done: list[Any] = []
     try:
         for node in nodes:

@@ -387,3 +387,24 @@ def test_tp_pp_fsdp_zero_bubble() -> None:
         labels = [label for op, label in r["collectives"] if op in FSDP_OPS]
         assert any("REDUCE_GRAD" in label for label in labels), (r["rank"], r["collectives"])
         assert not any(":I" in label or ":W" in label for label in labels), (r["rank"], labels)
+
+
+def test_ordinary_backward_retains_the_graph_through_a_dtensor_region(tp_mesh_of_one: Any) -> None:
+    """Ordinary backward with retain_graph=True through a region with DTensor weights
+    works as through any fxsplit region (its backward donates no buffer), and a
+    second backward accumulates the same gradients again."""
+    import copy
+
+    model, _ = _tp_stage(tp_mesh_of_one)
+    plain = copy.deepcopy(model)
+    model.compile(backend=fxsplit.backend(compiler="eager", fallback="error"))
+    x = torch.randn(th.BATCH, th.SEQ, th.DIM)
+    dy = torch.randn(th.BATCH, th.SEQ, th.DIM)
+    out = model(x)
+    out.backward(dy, retain_graph=True)
+    out.backward(dy)
+    ref = plain(x)
+    ref.backward(dy, retain_graph=True)
+    ref.backward(dy)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        th._assert_same_grad(p.grad, q.grad, name)
