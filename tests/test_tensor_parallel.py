@@ -105,13 +105,15 @@ def test_gradients_match_ordinary_backward(tp_world: dict[str, list[dict[str, An
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_collectives_run_once_in_b_and_never_in_w(tp_world: dict[str, list[dict[str, Any]]],
                                                    case: LayerCase) -> None:
-    """Every collective of the backward is in the dI graph, none in dW; at run time
-    B issues exactly what ordinary backward issues, W issues nothing."""
+    """Every collective of the backward is in the dI graph, none in dW, each waited
+    in the graph that issues it; at run time B issues exactly what ordinary backward
+    issues, W issues nothing."""
     expected = BACKWARD_COLLECTIVES[case.name]
     for r in tp_world[case.name]:
         where = f"{case.name} rank {r['rank']}"
         assert r["fused_collectives"] == expected, where
         assert r["di_collectives"] == expected and r["dw_collectives"] == [], where
+        assert r["split_waits"] == [], (where, r["split_waits"])
         for k in range(th.N_MICROBATCHES):
             b, w, ordinary = r["b"][k][0], r["w"][k][0], r["ordinary"][k][0]
             assert b == ordinary == _counts(expected), (where, k, b, ordinary)

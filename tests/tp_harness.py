@@ -255,6 +255,16 @@ def graph_collectives(gm: torch.fx.GraphModule) -> list[str]:
     ]
 
 
+def waits_without_their_collective(gm: torch.fx.GraphModule) -> list[str]:
+    """``wait_tensor`` nodes of ``gm`` whose collective was issued in another graph
+    (their input is a placeholder: the un-waited tensor crossed)."""
+    return [
+        n.name for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops._c10d_functional.wait_tensor.default
+        and n.args[0].op == "placeholder"
+    ]
+
+
 def weight_grad_flops(module: nn.Module, tokens: int) -> int:
     """FLOPs of every Linear's weight-gradient matmul at this rank's local shapes
     (``2 * tokens * local numel``: each rank's Linear sees every token of the microbatch)."""
@@ -381,6 +391,7 @@ def run_layer_case(case: LayerCase, rank: int, world: int) -> dict[str, Any]:
         "uncompiled": [(p.collectives, p.flops) for p in ordinary["uncompiled"]],
         "di_collectives": graph_collectives(split.di_graph),
         "dw_collectives": graph_collectives(split.dw_graph),
+        "split_waits": waits_without_their_collective(split.di_graph) + waits_without_their_collective(split.dw_graph),
         "fused_collectives": graph_collectives(_fused_graph(regions[0])),
         "live_ins": [str(li) for li in split.live_ins],
         "gathered_output_grad_crosses": gathered_output_grad_crosses(split),
