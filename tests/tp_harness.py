@@ -306,12 +306,15 @@ def run_layer_case(case: LayerCase, rank: int, world: int) -> dict[str, Any]:
     options = {"compiler": case.compiler, "fallback": "error"}
     if case.defer:
         options["defer"] = case.defer
+    # One backend for both compiled copies: Dynamo compiles the region once and both
+    # copies call it (ordinary backward through it runs its fused graph).
+    backend = fxsplit.backend(**options)
     copies = {}
     for name in ("split", "ordinary", "uncompiled"):
         m = copy.deepcopy(reference)
         parallelize_module(m, mesh, plan)
         if name != "uncompiled":
-            inner_of(m).compile(backend=fxsplit.backend(**options))
+            inner_of(m).compile(backend=backend)
         copies[name] = m
     before = set(map(id, fxsplit.compiled_regions()))
     batches = data(case, rank)
