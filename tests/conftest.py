@@ -44,6 +44,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "fallback: a test of the eager fallback itself (it may record fallbacks)"
     )
+    config.addinivalue_line(
+        "markers", "slow: a large multi-process run (8 ranks); runs by default, `-m \"not slow\"` leaves it out"
+    )
 
 
 @pytest.fixture(autouse=True)

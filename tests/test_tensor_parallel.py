@@ -378,6 +378,7 @@ def test_tp_pp_blocks_only_compiled_eager_projections_split_at_w(
                 assert a["collectives"] == expected, (r["rank"], a)
 
 
+@pytest.mark.slow
 def test_tp_pp_fsdp_zero_bubble() -> None:
     """TP x PP x FSDP2 on 8 ranks (2 x 2 x 2): ZB-V, sequence parallel, per-block
     compile and fully_shard. As above, and FSDP's own collectives stay outside I
