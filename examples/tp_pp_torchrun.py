@@ -149,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (innermost mesh dimension)")
     parser.add_argument("--dp", type=int, default=1, help="FSDP2 degree (the rest of the world is pp)")
-    parser.add_argument("--no-sp", dest="sp", action="store_false", help="tensor parallelism without sequence parallelism")
+    parser.add_argument("--no-sp", dest="sp", action="store_false",
+                        help="tensor parallelism without sequence parallelism")
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
                         help="fxsplit's inner compiler")
     parser.add_argument("--backend", default="fxsplit", choices=["fxsplit", "inductor"],

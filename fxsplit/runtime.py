@@ -450,7 +450,9 @@ class CompiledSplitBackward:
                 result.append(dw_vals[grad.positions[0]])
                 continue
             if self._subclass_grads is None:
-                raise RuntimeError(f"fxsplit: {self.name}: no split backward ran, so its DTensor gradients cannot be built")
+                raise RuntimeError(
+                    f"fxsplit: {self.name}: no split backward ran, so its DTensor gradients cannot be built"
+                )
             if flat is None:
                 flat = self._assemble((), dw_vals)
             result.append(self._subclass_grads.gradient(grad.input_index, flat))

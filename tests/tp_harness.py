@@ -111,8 +111,8 @@ class _WithEagerBelow(nn.Module):
 
 def build(case: LayerCase) -> tuple[nn.Module, Any]:
     """The unsharded module (seeded) and its ``parallelize_module`` plan."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     from fxsplit.bench.tp_block import TPBlock, block_plan
 
@@ -133,7 +133,6 @@ def build(case: LayerCase) -> tuple[nn.Module, Any]:
             "up": ColwiseParallel(input_layouts=Shard(1)),
             "down": RowwiseParallel(output_layouts=Shard(1)),
         }
-        del Replicate, PrepareModuleInput
     else:
         raise ValueError(case.kind)
     with torch.no_grad():  # RMSNorm weights start at 1: make their gradients less special
@@ -362,8 +361,9 @@ def run_layer_case(case: LayerCase, rank: int, world: int) -> dict[str, Any]:
     where = f"{case.name} rank {rank}"
     for k in range(N_MICROBATCHES):
         for name in ("ordinary", "uncompiled"):
-            torch.testing.assert_close(dxs[k], ordinary_dx[name][k], rtol=1e-5, atol=1e-6,
-                                       msg=lambda msg, k=k, name=name: f"{where}: dx of microbatch {k} vs {name}: {msg}")
+            torch.testing.assert_close(
+                dxs[k], ordinary_dx[name][k], rtol=1e-5, atol=1e-6,
+                msg=lambda msg, k=k, name=name: f"{where}: dx of microbatch {k} vs {name}: {msg}")
         torch.testing.assert_close(dxs[k], local_share(case, ref_dx[k], rank), rtol=1e-4, atol=1e-5,
                                    msg=lambda msg, k=k: f"{where}: dx of microbatch {k} vs unsharded: {msg}")
     placements = {}
@@ -394,7 +394,8 @@ def run_layer_case(case: LayerCase, rank: int, world: int) -> dict[str, Any]:
         "uncompiled": [(p.collectives, p.flops) for p in ordinary["uncompiled"]],
         "di_collectives": graph_collectives(split.di_graph),
         "dw_collectives": graph_collectives(split.dw_graph),
-        "split_waits": waits_without_their_collective(split.di_graph) + waits_without_their_collective(split.dw_graph),
+        "split_waits": [*waits_without_their_collective(split.di_graph),
+                        *waits_without_their_collective(split.dw_graph)],
         "fused_collectives": graph_collectives(_fused_graph(regions[0])),
         "live_ins": [str(li) for li in split.live_ins],
         "gathered_output_grad_crosses": gathered_output_grad_crosses(split),
