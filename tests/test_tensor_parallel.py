@@ -44,6 +44,7 @@ CASES = [
     LayerCase("rowwise"),
     LayerCase("sp_mlp"),
     LayerCase("hf_llama"),
+    LayerCase("gathered"),
 ]
 GATHER, SCATTER, REDUCE = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
 # The collectives of each layer kind's backward (functional collectives, in
@@ -60,7 +61,12 @@ BACKWARD_COLLECTIVES = {
     "rowwise-eager": [],
     "sp_mlp-sp-eager": [GATHER, SCATTER],
     "hf_llama-eager": [REDUCE] * 5,  # q, k, v; gate, up
+    # the gathered weight's gradient is reduce-scattered: only W needs it
+    "gathered-eager": [SCATTER],
 }
+# Where the split puts them: (dI, dW). All in dI but for a collective only a weight gradient needs.
+SPLIT_COLLECTIVES = {name: (ops, []) for name, ops in BACKWARD_COLLECTIVES.items()}
+SPLIT_COLLECTIVES["gathered-eager"] = ([], [SCATTER])
 # The c10d op each functional collective runs as (what the profiler sees).
 C10D = {GATHER: "allgather_into_tensor_coalesced_", SCATTER: "reduce_scatter_tensor_coalesced_",
         REDUCE: "allreduce_"}
@@ -106,19 +112,21 @@ def test_gradients_match_ordinary_backward(tp_world: dict[str, list[dict[str, An
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_collectives_run_once_in_b_and_never_in_w(tp_world: dict[str, list[dict[str, Any]]],
                                                    case: LayerCase) -> None:
-    """Every collective of the backward is in the dI graph, none in dW, each waited
-    in the graph that issues it; at run time B issues exactly what ordinary backward
-    issues, W issues nothing."""
+    """Every collective of the input-gradient chain is in the dI graph, a collective
+    only a weight gradient needs in dW, each waited in the graph that issues it; at
+    run time B and W issue exactly those, together what ordinary backward issues,
+    nothing twice."""
     expected = BACKWARD_COLLECTIVES[case.name]
+    in_di, in_dw = SPLIT_COLLECTIVES[case.name]
     for r in tp_world[case.name]:
         where = f"{case.name} rank {r['rank']}"
         assert r["fused_collectives"] == expected, where
-        assert r["di_collectives"] == expected and r["dw_collectives"] == [], where
+        assert (r["di_collectives"], r["dw_collectives"]) == (in_di, in_dw), where
         assert r["split_waits"] == [], (where, r["split_waits"])
         for k in range(th.N_MICROBATCHES):
             b, w, ordinary = r["b"][k][0], r["w"][k][0], r["ordinary"][k][0]
-            assert b == ordinary == _counts(expected), (where, k, b, ordinary)
-            assert w == {}, (where, k, w)
+            assert ordinary == _counts(expected), (where, k, ordinary)
+            assert (b, w) == (_counts(in_di), _counts(in_dw)), (where, k, b, w)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -39,7 +39,7 @@ TP = 2
 DIM, HEADS, HIDDEN = 16, 4, 32
 BATCH, SEQ = 2, 8  # one microbatch; SEQ is sharded over TP ranks under sequence parallelism
 N_MICROBATCHES = 2
-LAYER_KINDS = ("block", "colwise", "rowwise", "sp_mlp", "hf_llama")
+LAYER_KINDS = ("block", "colwise", "rowwise", "sp_mlp", "hf_llama", "gathered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,10 @@ class LayerCase:
     Linear), ``"sp_mlp"`` (RMSNorm + ColwiseParallel + RowwiseParallel with
     sequence parallelism), ``"hf_llama"`` (a model we did not write: a one-layer
     transformers ``LlamaModel``, random init, its decoder layer parallelized with
-    torchtitan's plan and compiled; the final norm stays eager). ``sp``:
+    torchtitan's plan and compiled; the final norm stays eager), ``"gathered"``
+    (a weight sharded over the mesh and all-gathered inside the region, as
+    SimpleFSDP does, its gradient reduce-scattered back: a collective only W
+    needs; each rank takes its own share of the batch). ``sp``:
     sequence parallelism (block only; sp_mlp has
     it always). ``eager_below``: an eager, unsharded Linear runs before the
     compiled module (B then retains the graph for W's eager part)."""
@@ -97,6 +100,32 @@ class _SPMLP(nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
+class _GatheredLinear(nn.Module):
+    """``x @ w.T`` with ``w`` a DTensor parameter sharded on dim 0, gathered for the
+    matmul; its gradient, a partial sum on each rank, is reduce-scattered back to
+    the shards (``to_local(grad_placements=[Partial()])``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        w = self.weight
+        if isinstance(w, DTensor):
+            w = w.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return x @ w.t()
+
+
+def _shard_weight(name: str, module: nn.Module, mesh: Any) -> None:
+    """``distribute_module``'s partition function: every parameter sharded on dim 0."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for pname, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+
 class _WithEagerBelow(nn.Module):
     """An eager Linear, then the compiled module."""
 
@@ -126,6 +155,8 @@ def build(case: LayerCase) -> tuple[nn.Module, Any]:
         module, plan = _Linear(HIDDEN, DIM), {"proj": RowwiseParallel()}
     elif case.kind == "hf_llama":
         module, plan = _HFLlama(), _hf_llama_plan()
+    elif case.kind == "gathered":
+        module, plan = _GatheredLinear(), None
     elif case.kind == "sp_mlp":
         module = _SPMLP()
         plan = {
@@ -197,6 +228,8 @@ def data(case: LayerCase, rank: int) -> list[tuple[torch.Tensor, torch.Tensor, t
             xl, dyl = x, dy.chunk(TP, dim=-1)[rank]  # output sharded on the last dim
         elif case.kind == "rowwise":
             xl, dyl = x.chunk(TP, dim=-1)[rank], dy  # input sharded on the last dim
+        elif case.kind == "gathered":
+            xl, dyl = x.chunk(TP, dim=0)[rank], dy.chunk(TP, dim=0)[rank]  # each rank its share of the batch
         else:
             xl, dyl = x, dy
         result.append((x, dy, xl.contiguous(), dyl.contiguous()))
@@ -209,6 +242,8 @@ def local_share(case: LayerCase, full_dx: torch.Tensor, rank: int) -> torch.Tens
         return full_dx.chunk(TP, dim=1)[rank]
     if case.kind == "rowwise":
         return full_dx.chunk(TP, dim=-1)[rank]
+    if case.kind == "gathered":
+        return full_dx.chunk(TP, dim=0)[rank]
     return full_dx
 
 
@@ -266,7 +301,10 @@ def waits_without_their_collective(gm: torch.fx.GraphModule) -> list[str]:
 
 def weight_grad_flops(module: nn.Module, tokens: int) -> int:
     """FLOPs of every Linear's weight-gradient matmul at this rank's local shapes
-    (``2 * tokens * local numel``: each rank's Linear sees every token of the microbatch)."""
+    (``2 * tokens * local numel``: each rank's Linear sees every token of the microbatch;
+    a gathered weight's matmul is at its full shape, on this rank's tokens)."""
+    if isinstance(module, _GatheredLinear):
+        return 2 * (tokens // TP) * DIM * DIM
     total = 0
     for m in module.modules():
         if isinstance(m, nn.Linear):
@@ -311,7 +349,12 @@ def run_layer_case(case: LayerCase, rank: int, world: int) -> dict[str, Any]:
     copies = {}
     for name in ("split", "ordinary", "uncompiled"):
         m = copy.deepcopy(reference)
-        parallelize_module(m, mesh, plan)
+        if plan is None:
+            from torch.distributed.tensor import distribute_module
+
+            distribute_module(m, mesh, _shard_weight)
+        else:
+            parallelize_module(m, mesh, plan)
         if name != "uncompiled":
             inner_of(m).compile(backend=backend)
         copies[name] = m
