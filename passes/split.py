@@ -127,6 +127,14 @@ class SplitResult:
     what handing over every value dW reads that dI has would hold; views of
     one storage count once, at their base's size
     (:mod:`fxsplit.passes.memory`).
+
+    ``weight_contractions_in_di`` names the matmul-like nodes
+    (:func:`fxsplit.passes.roles.is_contraction`) the dI graph runs that its
+    own job (the input gradients; a first stage's activation-gradient chain)
+    does not need: weight-gradient work left in B. It is empty for every
+    split this pass makes (an ``"unsplit"`` shared node is needed by dI: its
+    weight work is :attr:`weight_work_in_di`); the backend refuses to compile
+    a region where it is not.
     """
 
     di_graph: fx.GraphModule
@@ -140,17 +148,7 @@ class SplitResult:
     placement: Placement = Placement()
     cut: Cut = Cut()
     leaves: WeightLeaves | None = None
-    misplaced_contractions: tuple[str, ...] = ()
-
-    @property
-    def weight_contractions_in_di(self) -> tuple[str, ...]:
-        """Matmul-like nodes (:func:`fxsplit.passes.roles.is_contraction`) the dI
-        graph runs that its own job (the input gradients; a first stage's
-        activation-gradient chain) does not need: weight-gradient work left in
-        B. Empty for every split this pass makes (an ``"unsplit"`` shared node
-        is needed by dI: its weight work is :attr:`weight_work_in_di`); the
-        backend refuses to compile a region where it is not."""
-        return self.misplaced_contractions
+    weight_contractions_in_di: tuple[str, ...] = ()
 
     @property
     def weight_work_in_di(self) -> tuple[SharedNode, ...]:
@@ -453,7 +451,7 @@ def split_backward(
         placement=placement,
         cut=cut,
         leaves=leaves,
-        misplaced_contractions=misplaced,
+        weight_contractions_in_di=misplaced,
     )
 
 

@@ -282,7 +282,7 @@ def test_a_weight_gradient_matmul_left_in_di_is_a_compile_error(tp_mesh_of_one: 
         split = real(*args, **kwargs)
         assert split.weight_contractions_in_di == ()  # what the pass itself produces
         mm = next(n.name for n in split.dw_graph.graph.nodes if n.target is torch.ops.aten.mm.default)
-        return dataclasses.replace(split, misplaced_contractions=(mm,))
+        return dataclasses.replace(split, weight_contractions_in_di=(mm,))
 
     monkeypatch.setattr(fxsplit_backend, "split_backward", misplacing)
     model, _ = _tp_stage(tp_mesh_of_one)
