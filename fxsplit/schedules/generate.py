@@ -124,7 +124,7 @@ class GeneratedSchedule:
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             for r in range(self.n_ranks):
-                writer.writerow([str(a) for a in self.order[r]])
+                writer.writerow(["" if a is None else str(a) for a in self.order[r]])
 
     def build(self, stages: Sequence[Any], **kwargs: Any) -> Any:
         """A ``torch.distributed.pipelining`` ``_PipelineScheduleRuntime`` running this
