@@ -2,9 +2,11 @@
 
 :func:`generate_schedule` builds action orders with a greedy list scheduler in
 the spirit of the zero-bubble paper's automatic ZB-1p/ZB-2p scheduler (Qi et
-al., 2024, section 3), replays each with :func:`~fxsplit.schedules.simulate`
-as ``_PipelineScheduleRuntime`` will run it (lowered with its sends and
-receives), and returns the fastest that stays within the memory limit.
+al., 2024, section 3), replays them with :func:`~fxsplit.schedules.simulate`
+as ``_PipelineScheduleRuntime`` will run them (lowered with their sends and
+receives), and returns the fastest that stays within the memory limit. (Each
+order is first replayed without its sends and receives, a lower bound of its
+replay as run; only orders that can still win are lowered.)
 
 The greedy runs the pipeline in simulated time. Whenever a rank is free it
 runs, in this order of preference:
@@ -66,16 +68,16 @@ _SEEDS = {
     "v": ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"),
     "interleaved": ("ScheduleInterleavedZeroBubble", "ScheduleInterleaved1F1B"),
 }
-# How many of the greedy orders (the fastest in the compute-only replay) are lowered and replayed as run.
-_LOWERED_FINALISTS = 4
+# How many of the greedy orders (the fastest in the compute-only replay) are also tried with I + W merged.
+_MERGED_FINALISTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One order the search replayed: where it came from, its simulated step time and
-    peak memory (highest over ranks), and whether that peak is within the limit.
-    ``step_time`` is ``None`` for a greedy order only replayed compute-only (not
-    among the finalists lowered and replayed as run)."""
+    """One order the search replayed: where it came from, its simulated step time as run
+    (lowered) and peak memory (highest over ranks), and whether that peak is within the
+    limit. ``step_time`` is ``None`` for an order not replayed as run: over the limit,
+    or already slower without its sends and receives than the best order as run."""
 
     source: str
     placement: str
@@ -454,8 +456,9 @@ def generate_schedule(
         zero_bubble = [max(sim.peak_bytes) for name, _, _, sim in seeds if "ZeroBubble" in name]
         limit = max(zero_bubble) if zero_bubble else None
 
-    candidates: list[Candidate] = []
-    greedy: list[tuple[float, str, str, dict[int, list[Any]]]] = []
+    # every candidate order with its compute-only replay: a lower bound of its replay as run (a
+    # receive posted late can only delay an input), and the same memory (the same order per rank)
+    variants: list[tuple[str, str, dict[int, list[Any]], Simulation]] = []
     seen: set[Any] = set()
     for p in placements:
         for cap in _flight_caps(n_ranks):
@@ -464,33 +467,39 @@ def generate_schedule(
                     order = greedy_order(costs, n_ranks, n_microbatches, p, limit, cap, gap, f_gap)
                 except ScheduleError:
                     continue
-                shown = None if cap is None else cap[0] if len(set(cap)) == 1 else f"{cap[0]}-r"
-                name = f"greedy({p}, max_in_flight={shown}, w_gap={gap}, f_gap={f_gap})"
                 fingerprint = tuple(tuple(a) for _, a in sorted(order.items()))
                 if fingerprint in seen:
                     continue  # other parameters, same order
                 seen.add(fingerprint)
-                sim = simulate(order, costs)  # compute-only: the greedy's own timeline
-                if limit is None or max(sim.peak_bytes) <= limit:
-                    greedy.append((sim.step_time, name, p, order))
-                else:
-                    candidates.append(Candidate(name, p, None, max(sim.peak_bytes), False))
-    greedy.sort(key=lambda g: g[0])
-    for _, name, p, _ in greedy[_LOWERED_FINALISTS:]:
-        candidates.append(Candidate(name, p, None, 0, True))
-    # the finalists, lowered and replayed as the runtime runs them; each also with I + W merged where free
-    finalists = [(name, p, o, None) for _, name, p, o in greedy[:_LOWERED_FINALISTS]]
-    finalists += [(name, p, o, sim) for name, p, o, sim in seeds]
+                shown = None if cap is None else cap[0] if len(set(cap)) == 1 else f"{cap[0]}-r"
+                name = f"greedy({p}, max_in_flight={shown}, w_gap={gap}, f_gap={f_gap})"
+                variants.append((name, p, order, simulate(order, costs)))
+    fitting = [v for v in variants if limit is None or max(v[3].peak_bytes) <= limit]
+    fastest = sorted(fitting, key=lambda v: v[3].step_time)[:_MERGED_FINALISTS]
+    # the fastest greedy orders and the upstream ones, also with I + W merged where free
+    for name, p, o in [v[:3] for v in fastest] + [v[:3] for v in seeds]:
+        merged = merge_where_free(o, costs)
+        if merged != o:
+            variants.append((f"{name} + I/W merged where free", p, merged, simulate(merged, costs)))
+
+    candidates: list[Candidate] = []
     best: tuple[float, str, str, dict[int, list[Any]], Simulation] | None = None
-    for name, p, o, sim in finalists:
-        for variant, order in ((name, o), (f"{name} + I/W merged where free", merge_where_free(o, costs))):
-            if variant != name and order == o:
-                continue  # nothing merged
-            run = sim if variant == name and sim is not None else simulate(lower(order, n_ranks, n_microbatches), costs)
-            fits = limit is None or max(run.peak_bytes) <= limit
-            candidates.append(Candidate(variant, p, run.step_time, max(run.peak_bytes), fits))
-            if fits and (best is None or run.step_time < best[0]):
-                best = (run.step_time, variant, p, order, run)
+    for name, p, o, run in seeds:  # their lowered orders are upstream's own
+        fits = limit is None or max(run.peak_bytes) <= limit
+        candidates.append(Candidate(name, p, run.step_time, max(run.peak_bytes), fits))
+        if fits and (best is None or run.step_time < best[0]):
+            best = (run.step_time, name, p, o, run)
+    # the others lowered and replayed as run, fastest compute-only first, while they can still win
+    for name, p, o, compute in sorted(variants, key=lambda v: v[3].step_time):
+        peak = max(compute.peak_bytes)
+        fits = limit is None or peak <= limit
+        if not fits or (best is not None and compute.step_time >= best[0]):
+            candidates.append(Candidate(name, p, None, peak, fits))
+            continue
+        run = simulate(lower(o, n_ranks, n_microbatches), costs)
+        candidates.append(Candidate(name, p, run.step_time, peak, fits))
+        if best is None or run.step_time < best[0]:
+            best = (run.step_time, name, p, o, run)
     if best is None:
         raise ScheduleError(f"no order fits the memory limit of {limit} bytes per rank")
     _, source, placement, order, sim = best
