@@ -24,7 +24,7 @@ __all__ = ["PIPELINE_SIZES", "QUICK_SIZES", "bench_pipeline", "build_pipeline_pa
            "settings_from_args"]
 
 # One stage of the two-stages-per-rank cut (Schedule1F1B's stages hold two of them).
-PIPELINE_SIZES = dict(batch=2, seq=128, layers=1, dim=256, heads=4)
+PIPELINE_SIZES = dict(batch=2, seq=128, layers=2, dim=256, heads=4)
 QUICK_SIZES = dict(batch=1, seq=16, layers=1, dim=32, heads=2)
 
 
@@ -55,7 +55,7 @@ def build_pipeline_parser(prog: str = "fxsplit bench --pipeline") -> argparse.Ar
                    help=f"blocks per stage (default {PIPELINE_SIZES['layers']}; Schedule1F1B's stages hold twice that)")
     p.add_argument("--dim", type=int, default=None, help=f"model width (default {PIPELINE_SIZES['dim']})")
     p.add_argument("--reps", type=int, default=None, help="timed rounds, each one step of every configuration "
-                   "(default 20; 3 with --quick)")
+                   "(default 30; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="steps per configuration before timing (default 2; the "
                    "first compiles)")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
@@ -153,7 +153,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             parser.error(f"--out {out} holds the results of a full run; --quick will not overwrite them")
     settings = PipelineSettings(
         model=cfg.as_dict(), device=device.type, dtype=dtype, ranks=ranks, microbatches=microbatches,
-        warmup=args.warmup or (1 if args.quick else 2), reps=args.reps or (3 if args.quick else 20),
+        warmup=args.warmup or (1 if args.quick else 2), reps=args.reps or (3 if args.quick else 30),
         compiler=args.compiler, quick=args.quick, timeout_s=1800.0 if args.quick else 3600.0,
         scaling_ranks=(4,) if args.quick else None, scaling_microbatches=(16,) if args.quick else None,
     )

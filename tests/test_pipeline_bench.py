@@ -158,6 +158,12 @@ def test_quick_json(quick_run: tuple[dict[str, Any], str, pathlib.Path]) -> None
             assert _finite(row[field]), (row["key"], field)
         assert row["step_ms"] > 0 and row["simulated_step_ms"] > 0 and 0 <= row["bubble"] < 1
         assert len(row["step_samples_ms"]) == 2 and len(row["bubble_per_rank"]) == 2
+        runs = row["region_runs"]
+        if row["backend"] != "fxsplit":
+            assert runs == {"di_runs": 0, "dw_runs": 0, "fused_runs": 0}, row["key"]
+        else:  # every I ran a dI graph and every W a dW graph; B (DualPipeV, a merged pair) the fused one
+            assert runs["di_runs"] == runs["dw_runs"] > 0, row["key"]
+            assert runs["di_runs"] + runs["fused_runs"] == 2 * 4 * 4, row["key"]  # steps x stages x microbatches
     assert r["ratios"][r["reference"]]["median"] == 1.0
     assert [c["stage"] for c in r["costs"]] == [0, 1, 2, 3]
     for c in r["costs"]:

@@ -66,7 +66,7 @@ class PipelineSettings:
     ranks: int = 2
     microbatches: int = 8
     warmup: int = 2
-    reps: int = 20
+    reps: int = 30
     compiler: str = "inductor"
     quick: bool = False
     timeout_s: float = 3600.0
@@ -248,6 +248,9 @@ def run(settings: PipelineSettings, progress: Progress | None = None) -> dict[st
             "ratio_to_reference": ratios[key]["median"],
             "stages": n_stages, "stages_of_rank": [rec["stages"][key] for rec in records],
             "step_samples_ms": steps,
+            # fxsplit backward graphs the timed steps ran, all ranks (0 where no stage is fxsplit's)
+            "region_runs": {k: sum(rec["region_runs"][key][k] for rec in records)
+                            for k in records[0]["region_runs"][key]},
         })
 
     zbv, i1f1b = durations_of["ScheduleZBVZeroBubble+fxsplit"], durations_of["ScheduleInterleaved1F1B+inductor"]

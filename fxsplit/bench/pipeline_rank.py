@@ -18,7 +18,8 @@ record their start and end. It then:
    which builds and warms up that configuration too;
 4. times ``reps`` rounds, each running one step of every configuration, the
    order rotated by one each round; a step is ``schedule.step()`` between two
-   barriers, its time the slowest rank's;
+   barriers, its time the slowest rank's; it counts which fxsplit backward
+   graphs (dI, dW, fused) the timed steps ran;
 5. runs one more step of each configuration inside a memory meter (peak bytes
    above the level before the step).
 
@@ -72,6 +73,8 @@ CONFIGS = (
 )
 COST_PROBES = (Config("ScheduleZBVZeroBubble", "fxsplit"), Config("ScheduleInterleaved1F1B", "inductor"))
 PROBE_STEPS = 2
+# fxsplit region counters (CompiledRegion.stats): which backward graphs the timed steps ran
+REGION_COUNTERS = ("di_runs", "dw_runs", "fused_runs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +249,17 @@ class _Rank:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @staticmethod
+    def region_runs() -> dict[str, int]:
+        """Runs of every live fxsplit region's dI, dW and fused backward graphs so far."""
+        import fxsplit
+
+        totals = dict.fromkeys(REGION_COUNTERS, 0)
+        for region in fxsplit.compiled_regions():
+            for k in REGION_COUNTERS:
+                totals[k] += region.stats.get(k, 0)
+        return totals
+
     def step(self, built: _Built, record: bool) -> tuple[float, list[tuple[int, str, int, float, float]]]:
         """One ``schedule.step()`` between barriers: (this rank's milliseconds, its
         actions as (stage, kind, microbatch, start ms, end ms) when ``record``)."""
@@ -399,12 +413,17 @@ def _run(plan: RankPlan, rank_id: int, say: Callable[[str], None]) -> dict[str, 
 
     steps: dict[str, list[float]] = {c.key: [] for c in CONFIGS}
     actions: dict[str, list[list[tuple[int, str, int, float, float]]]] = {c.key: [] for c in CONFIGS}
+    runs = {c.key: dict.fromkeys(REGION_COUNTERS, 0) for c in CONFIGS}
     t0 = time.perf_counter()
     last = t0
     for r in range(plan.reps):
         # each round starts one configuration later, so that none always follows the same one
         for config in CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]:
+            before = rank.region_runs()
             took, acts = rank.step(built[config.key], record=True)
+            after = rank.region_runs()
+            for k in REGION_COUNTERS:
+                runs[config.key][k] += after[k] - before[k]
             steps[config.key].append(took)
             actions[config.key].append(acts)
         if time.perf_counter() - last > 5 or r == plan.reps - 1:
@@ -417,6 +436,7 @@ def _run(plan: RankPlan, rank_id: int, say: Callable[[str], None]) -> dict[str, 
         "steps_ms": steps,
         "actions": actions,
         "peak_bytes": peaks,
+        "region_runs": runs,
         "stages": {c.key: [st.stage_index for st in built[c.key].stages] for c in CONFIGS},
         "n_stages": {c.key: built[c.key].n_stages for c in CONFIGS},
         "costs": costs,
