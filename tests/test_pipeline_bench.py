@@ -188,3 +188,13 @@ def test_charts(quick_run: tuple[dict[str, Any], str, pathlib.Path], tmp_path: p
     written = pipeline_report.draw_charts(quick_run[0], tmp_path / "chart.png")
     assert [p.name for p in written] == ["chart.png", "chart-timeline.png"]
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_benchmark_page_lists_every_pipeline_option() -> None:
+    from fxsplit.cli_pipeline import build_pipeline_parser
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmark.md").read_text()
+    section = page[page.index("## Pipeline step time"):]
+    options = [s for a in build_pipeline_parser()._actions for s in a.option_strings
+               if s.startswith("--") and s != "--help"]
+    assert [o for o in options if f"`{o}" not in section] == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["draw_charts", "format_table"]
+__all__ = ["draw_charts", "format_table", "markdown_tables"]
 
 
 def _mib(n: float | None) -> str:
@@ -108,3 +108,49 @@ def draw_charts(result: dict[str, Any], path: Path) -> list[Path]:
     fig.savefig(timeline_path, dpi=100)
     plt.close(fig)
     return [path, timeline_path]
+
+
+def markdown_tables(result: dict[str, Any]) -> str:
+    """The docs' tables from a result JSON: measured (with ratios to the reference and the
+    simulated step), and the simulated scaling table, each headed by where it comes from."""
+    s, d = result["settings"], result["device"]
+    head = (f"{d['name']} ({d['type']}, {d['ranks']} ranks, {d['torch_threads_per_rank']} thread(s) each), "
+            f"{result['dtype']}, torch {result['torch_version']}, {result['model']['description']}, "
+            f"{result['model']['stages']} stages, {s['microbatches']} microbatches, {s['reps']} rounds")
+    lines = [f"Measured: {head}.", "",
+             "| schedule | backend | step ms (IQR) | / 1F1B + Inductor (q1-q3) | bubble | peak MiB | simulated ms "
+             "(error) |", "|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        r = result["ratios"][row["key"]]
+        lines.append(f"| {row['schedule']} | {row['backend']} | {row['step_ms']:.1f} ({row['step_iqr_ms']:.1f}) | "
+                     f"{r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | {row['bubble']:.1%} | "
+                     f"{_mib(row['peak_bytes'])} | {row['simulated_step_ms']:.1f} "
+                     f"({row['simulated_error_pct']:+.1f} %) |")
+    lines += ["", "| stage | F ms | B (I) ms | W ms | full backward ms | hand-over ms |", "|---|---|---|---|---|---|"]
+    for c in result["costs"]:
+        lines.append(f"| {c['stage']} | {c['f_ms']:.2f} | {c['b_ms']:.2f} | {c['w_ms']:.2f} | "
+                     f"{c['full_backward_ms']:.2f} | {c['comm_ms']:.3f} |")
+    g = result["generated"]
+    lines += ["", f"Generated: {g['source']} ({g['placement']} placement, {len(g['candidates'])} candidates)."]
+    scaling = result["scaling"]["rows"]
+    if scaling:
+        names = list(dict.fromkeys(r["schedule"] for r in scaling))
+        by = {(r["stages"], r["microbatches"], r["schedule"]): r for r in scaling}
+        lines += ["", f"SIMULATED from the costs above (step ms, bubble in brackets; {result['scaling']['note']}):", "",
+                  "| stages | microbatches | " + " | ".join(n.replace("Schedule", "") for n in names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for st in sorted({r["stages"] for r in scaling}):
+            for mb in sorted({r["microbatches"] for r in scaling}):
+                cells = ["refused" if by[(st, mb, n)]["step_ms"] is None else
+                         f"{by[(st, mb, n)]['step_ms']:.0f} ({by[(st, mb, n)]['bubble']:.1%})" for n in names]
+                lines.append(f"| {st} | {mb} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m fxsplit.bench.pipeline_report RESULT.json: the docs' tables
+    import json
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m fxsplit.bench.pipeline_report benchmarks/results/<device>-pipeline.json")
+    print(markdown_tables(json.loads(Path(sys.argv[1]).read_text())))
