@@ -6,7 +6,7 @@ means reading (and, if needed, changing) this file only. Tested on CPU:
 torch 2.13.0 (CI; the whole suite, 579 passed), 2.11.0 (the whole suite,
 543 passed, 36 skipped: goldens pinned to 2.13.0, and upstream failures,
 pytorch/pytorch#166577 and the V-shaped schedules with gloo) and 2.15.0
-(README "Known limitations" has the commands and counts). Differences
+(docs/development.md, "Torch versions", has the commands and counts). Differences
 between releases handled here are feature-detected:
 :func:`function_nodes_outlive_their_graph` (torch 2.11),
 :func:`_fsdp_state_param_groups` (torch 2.11),

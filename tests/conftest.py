@@ -24,7 +24,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
-import fxsplit  # noqa: E402
+try:
+    import fxsplit  # noqa: E402
+except ImportError as e:
+    if "fxsplit.passes" not in str(e):
+        raise
+    # The pure passes live in the repository's top-level passes/, installed as fxsplit.passes
+    # through a package-dir mapping that an editable install records when it is made.
+    raise ImportError(
+        f"{e}: fxsplit.passes lives in passes/ (installed as fxsplit.passes). Re-run "
+        "`.venv/bin/pip install -e .` if this venv was installed before passes/ moved out of fxsplit/, "
+        "and delete a leftover fxsplit/passes/ directory (git leaves its __pycache__ behind)") from e
 
 fxsplit.config.fallback = "error"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit.bench import run as bench
+from fxsplit.bench import accumulate, allocator, host_time, modes, report, timing
 from fxsplit.bench.memory import memory_targets
 from fxsplit.bench.models import ModelConfig, Stage
 from zoo import GeluResidual
@@ -26,13 +26,13 @@ def test_host_time_is_total_minus_graph_time_per_repetition() -> None:
         {"b_ns": 3_000_000, "b_graph_ns": 2_500_000, "w_ns": 2_000_000, "w_graph_ns": 1_900_000, "w_commit_ns": 50_000},
         {"b_ns": 4_000_000, "b_graph_ns": 3_000_000, "w_ns": 2_000_000, "w_graph_ns": 1_800_000, "w_commit_ns": 70_000},
     ]
-    section = bench._host_section(host, _inductor([10.0, 20.0]))
+    section = host_time.host_section(host, _inductor([10.0, 20.0]))
     assert section["available"] is True
     assert section["samples"]["b_host_ms"] == pytest.approx([0.5, 1.0])
     assert section["samples"]["w_host_ms"] == pytest.approx([0.1, 0.2])
     assert section["samples"]["w_commit_ms"] == pytest.approx([0.05, 0.07])
     assert section["host_fraction_of_inductor_backward"] == pytest.approx([0.06, 0.06])
-    t = bench._host_target(section)
+    t = host_time.host_target(section)
     assert t["measured"] == pytest.approx(0.06) and t["pass"] is False and t["verdict"].startswith("MISS")
 
 
@@ -41,13 +41,13 @@ def test_host_time_added_by_the_split_subtracts_the_ordinary_backwards_host_time
         {"b_ns": 3_000_000, "b_graph_ns": 2_500_000, "w_ns": 2_000_000, "w_graph_ns": 1_900_000},
         {"b_ns": 4_000_000, "b_graph_ns": 3_000_000, "w_ns": 2_000_000, "w_graph_ns": 1_800_000},
     ]
-    section = bench._host_section(host, _inductor([10.0, 20.0]), [0.0004, 0.0011])
+    section = host_time.host_section(host, _inductor([10.0, 20.0]), [0.0004, 0.0011])
     assert section["samples"]["ordinary_host_ms"] == pytest.approx([0.4, 1.1])
     assert section["added_fraction_of_inductor_backward"] == pytest.approx([0.02, 0.005])
-    t = bench._host_added_target(section)
+    t = host_time.host_added_target(section)
     assert t["measured"] == pytest.approx(0.0125) and t["pass"] is True
     # without the ordinary backward's figures the target is not measured, never guessed
-    assert bench._host_added_target(bench._host_section(host, _inductor([10.0, 20.0]), [None, 0.001]))["verdict"] == "n/a"
+    assert host_time.host_added_target(host_time.host_section(host, _inductor([10.0, 20.0]), [None, 0.001]))["verdict"] == "n/a"
 
 
 def test_ordinary_backward_host_time_is_backward_minus_fused_graph_time() -> None:
@@ -57,22 +57,22 @@ def test_ordinary_backward_host_time_is_backward_minus_fused_graph_time() -> Non
     x = torch.randn(4, 8)
     stage = Stage(module, lambda: x.clone().requires_grad_(True), ModelConfig(name="mlp"), "tiny")
     grad = torch.randn(4, 8)
-    mode = bench.Mode("fxsplit", "fxsplit, ordinary backward", module, None, compiled="fxsplit")
-    bench._timed_step(mode, stage, grad, torch.device("cpu"))  # compile
-    before = bench._fused_graph_ns()
+    mode = modes.Mode("fxsplit", "fxsplit, ordinary backward", module, None, compiled="fxsplit")
+    timing.timed_step(mode, stage, grad, torch.device("cpu"))  # compile
+    before = timing._fused_graph_ns()
     got: list = []
-    times = bench._timed_step(mode, stage, grad, torch.device("cpu"), ordinary_host=got)
-    spent = (bench._fused_graph_ns() - before) / 1e9
+    times = timing.timed_step(mode, stage, grad, torch.device("cpu"), ordinary_host=got)
+    spent = (timing._fused_graph_ns() - before) / 1e9
     assert spent > 0 and len(got) == 1 and got[0] == pytest.approx(times["backward"] - spent)
 
 
 @pytest.mark.parametrize("host", [[None, None], []])
 def test_host_time_without_timings_is_na(host: list) -> None:
-    section = bench._host_section(host, _inductor([1.0, 1.0]))
+    section = host_time.host_section(host, _inductor([1.0, 1.0]))
     assert section["available"] is False and "n/a" in section["why"]
-    t = bench._host_target(section)
+    t = host_time.host_target(section)
     assert t["verdict"] == "n/a" and t["pass"] is None
-    assert bench._verdict_line("host_time", t).startswith("target n/a:")
+    assert report._verdict_line("host_time", t).startswith("target n/a:")
 
 
 def test_accumulation_step_accumulates_like_four_ordinary_backwards() -> None:
@@ -80,15 +80,15 @@ def test_accumulation_step_accumulates_like_four_ordinary_backwards() -> None:
     torch.manual_seed(0)
     model = GeluResidual()
     ref = copy.deepcopy(model)
-    xs = [torch.randn(4, 8) for _ in range(bench.ACCUMULATE_MICROBATCHES)]
+    xs = [torch.randn(4, 8) for _ in range(accumulate.ACCUMULATE_MICROBATCHES)]
     it = iter(xs)
     stage = Stage(model, lambda: next(it).clone().requires_grad_(True), ModelConfig(name="mlp"), "tiny")
     grad = torch.randn(4, 8)
     compiled = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
     for p in model.parameters():
         p.grad = torch.full_like(p, 7.0)  # set to None first: this must not survive
-    mode = bench.Mode("fxsplit+split", "fxsplit split", compiled, "fxsplit")
-    seconds = bench._accumulate_step(mode, stage, grad, torch.device("cpu"))
+    mode = modes.Mode("fxsplit+split", "fxsplit split", compiled, "fxsplit")
+    seconds = accumulate._accumulate_step(mode, stage, grad, torch.device("cpu"))
     assert math.isfinite(seconds) and seconds > 0
     for x in xs:
         ref(x.clone().requires_grad_(True)).backward(grad)
@@ -119,7 +119,7 @@ def test_memory_targets_verdicts() -> None:
     t = memory_targets(section)
     assert t["first_stage_w_flops"]["pass"] is True and t["alive_between_b_and_w"]["pass"] is True
     for name, v in t.items():
-        assert bench._verdict_line(name, v).startswith(f"target {v['verdict']}:")
+        assert report._verdict_line(name, v).startswith(f"target {v['verdict']}:")
 
 
 def test_region_compile_seconds_are_summed_per_kind_or_none() -> None:
@@ -180,10 +180,10 @@ def test_timed_step_counts_the_page_faults_of_the_backward_phases(monkeypatch: p
     x = torch.randn(4, 8)
     stage = Stage(module, lambda: x.clone().requires_grad_(True), ModelConfig(name="mlp"), "tiny")
     grad = torch.randn(4, 8)
-    mode = bench.Mode("fxsplit+split", "fxsplit split", module, "fxsplit", compiled="fxsplit")
-    bench._timed_step(mode, stage, grad, torch.device("cpu"))  # compile
+    mode = modes.Mode("fxsplit+split", "fxsplit split", module, "fxsplit", compiled="fxsplit")
+    timing.timed_step(mode, stage, grad, torch.device("cpu"))  # compile
     counter = {"n": 0}
-    monkeypatch.setattr(bench.allocator, "minor_faults", lambda: counter["n"])
+    monkeypatch.setattr(allocator, "minor_faults", lambda: counter["n"])
     forward = module.forward
 
     def forward_taking_faults(*args: object) -> object:
@@ -199,10 +199,10 @@ def test_timed_step_counts_the_page_faults_of_the_backward_phases(monkeypatch: p
 
     monkeypatch.setattr(fxsplit, "stage_backward_weight", weight_taking_faults)
     got: list = []
-    bench._timed_step(mode, stage, grad, torch.device("cpu"), faults=got)
+    timing.timed_step(mode, stage, grad, torch.device("cpu"), faults=got)
     assert got == [7]
-    assert bench._fault_summary([7, 9, 8]) == {"minor_faults_backward": 8, "minor_faults_samples": [7, 9, 8]}
-    assert bench._fault_summary([7, None])["minor_faults_backward"] is None
+    assert timing.fault_summary([7, 9, 8]) == {"minor_faults_backward": 8, "minor_faults_samples": [7, 9, 8]}
+    assert timing.fault_summary([7, None])["minor_faults_backward"] is None
 
 
 def test_malloc_retain_stops_refaulting_freed_memory() -> None:
@@ -215,8 +215,8 @@ def test_malloc_retain_stops_refaulting_freed_memory() -> None:
     import sys
     import textwrap
 
-    if bench.allocator.glibc_problem() is not None:
-        pytest.skip(f"retain_freed_memory cannot run here: {bench.allocator.glibc_problem()}")
+    if allocator.glibc_problem() is not None:
+        pytest.skip(f"retain_freed_memory cannot run here: {allocator.glibc_problem()}")
     code = textwrap.dedent("""
         import ctypes, torch
         from fxsplit.bench import allocator

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from fxsplit.bench import run as bench
 from fxsplit import cli
+from fxsplit.bench import baselines, chart, modes, report, settings, targets
+from fxsplit.bench.models import ModelConfig
 
 SPLIT_MODES = {"eager+upstream", "inductor+upstream", "fxsplit+split"}
 COMPILED_MODES = {"inductor", "inductor+upstream", "fxsplit", "fxsplit+split"}
@@ -29,7 +30,7 @@ def _finite(v: Any) -> bool:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
     """(result, stdout, stderr) of ``fxsplit bench --quick``."""
-    why = bench.upstream_split_failure()
+    why = baselines.upstream_split_failure()
     if why is not None:  # the bench refuses to run (tests/test_cli.py checks that it says why)
         pytest.skip(why)
     out = tmp_path_factory.mktemp("bench") / "quick.json"
@@ -56,8 +57,8 @@ def test_json_top_level(quick_result: tuple[dict[str, Any], str]) -> None:
     assert r["dtype"] == "float32"
     assert r["model"]["name"] == "gpt" and r["model"]["parameters"] > 0
     assert r["settings"]["quick"] is True
-    assert [m["key"] for m in r["modes"]] == list(bench.MODE_KEYS)
-    assert set(r["targets"]) == set(bench.TARGETS)
+    assert [m["key"] for m in r["modes"]] == list(modes.MODE_KEYS)
+    assert set(r["targets"]) == set(targets.TARGETS)
     for name, t in r["targets"].items():
         if t["verdict"] == "n/a":  # e.g. host time where this fxsplit records no timings: says why
             assert t["pass"] is None and t["unreliable_because"], name
@@ -112,19 +113,19 @@ def test_split_flops_account_for_the_whole_backward(quick_result: tuple[dict[str
 
 def test_table_and_default_path(quick_result: tuple[dict[str, Any], str]) -> None:
     r, stdout = quick_result
-    table = bench.format_table(r)
+    table = report.format_table(r)
     assert table in stdout
-    for key in bench.MODE_KEYS:
+    for key in modes.MODE_KEYS:
         assert key in table
     verdicts = [line for line in table.splitlines() if line.startswith("target ")]
-    assert len(verdicts) == len(bench.TARGETS) and ("PASS" in table or "MISS" in table)
+    assert len(verdicts) == len(targets.TARGETS) and ("PASS" in table or "MISS" in table)
     assert "MiB" in table and " MB" not in table  # one unit, as in the chart
     import torch
 
-    path = bench.default_out_path(torch.device("cpu"), bench.ModelConfig())
-    assert path.parent == Path(bench.__file__).resolve().parents[2] / "benchmarks" / "results"
+    path = settings.default_out_path(torch.device("cpu"), ModelConfig())
+    assert path.parent == Path(settings.__file__).resolve().parents[2] / "benchmarks" / "results"
     assert path.name.startswith("cpu-") and path.suffix == ".json"
-    quick = bench.default_out_path(torch.device("cpu"), bench.ModelConfig(), quick=True)
+    quick = settings.default_out_path(torch.device("cpu"), ModelConfig(), quick=True)
     assert quick.name == path.stem + "-quick.json"
 
 
@@ -171,10 +172,10 @@ def test_timing_verdict_reliability(ratios: list[float], higher: bool, verdict: 
     name = "speedup_vs_inductor_upstream" if higher else "split_backward_vs_inductor"
     target = 1.5 if higher else 1.05
     measured = 1.4 if ratios == [0.5, 0.6, 0.8, 0.9, 0.95] else statistics.median(ratios)
-    t = bench._timing_target(name, target, measured, ratios, higher_is_better=higher)
+    t = targets.timing_target(name, target, measured, ratios, higher_is_better=higher)
     assert t["reliable"] is reliable and t["pass"] is (verdict == "PASS")
     assert t["verdict"] == verdict + ("" if reliable else " (unreliable)")
-    line = bench._verdict_line(name, t)
+    line = report._verdict_line(name, t)
     assert line.startswith(f"target {t['verdict']}:") and ("unreliable:" in line) is (not reliable)
 
 
@@ -186,7 +187,7 @@ def test_chart_values_on_bars_and_legends_clear_of_them(quick_result: tuple[dict
     from matplotlib.patches import Rectangle
 
     r, _ = quick_result
-    fig = bench.chart_figure(r)
+    fig = chart.chart_figure(r)
     renderer = fig.canvas.get_renderer()
     time_ax, mem_ax = fig.axes
     for ax in (time_ax, mem_ax):
@@ -201,10 +202,10 @@ def test_chart_values_on_bars_and_legends_clear_of_them(quick_result: tuple[dict
         total = sum(m["timing"][ph]["median_ms"] for ph in ("forward", "B", "W", "backward") if ph in m["timing"])
         assert f"{total:.1f} ms" in texts
         peaks = [x["peak_bytes"] / 2**20 for x in r["modes"]] + [(x["held_bytes"] or 0) / 2**20 for x in r["modes"]]
-        assert f"{m['peak_bytes'] / 2**20:{bench._label_spec(peaks)}}" in texts
+        assert f"{m['peak_bytes'] / 2**20:{chart._label_spec(peaks)}}" in texts
     assert "MiB" in mem_ax.get_xlabel() and "MB" not in mem_ax.get_xlabel().replace("MiB", "")
     plt.close(fig)
-    assert bench.draw_chart(r, tmp_path / "chart.png") and (tmp_path / "chart.png").stat().st_size > 0
+    assert chart.draw_chart(r, tmp_path / "chart.png") and (tmp_path / "chart.png").stat().st_size > 0
 
 
 def test_quick_run_has_every_new_section(quick_result: tuple[dict[str, Any], str]) -> None:
@@ -249,12 +250,12 @@ def test_upstream_probe_agrees_with_a_compiled_module() -> None:
     out = compiled(x)
     grad = torch.randn_like(out)
     try:
-        _, pending = bench._upstream().stage_backward_input([out], [grad], [x], module.parameters())
-        bench._upstream().stage_backward_weight(module.parameters(), pending)
+        _, pending = baselines.upstream().stage_backward_input([out], [grad], [x], module.parameters())
+        baselines.upstream().stage_backward_weight(module.parameters(), pending)
     except RuntimeError:
-        assert bench.upstream_split_failure() is not None
+        assert baselines.upstream_split_failure() is not None
         return
-    assert bench.upstream_split_failure() is None
+    assert baselines.upstream_split_failure() is None
     x_ref = x.detach().clone().requires_grad_()
     ref(x_ref).backward(grad)
     torch.testing.assert_close(x.grad, x_ref.grad)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fxsplit import cli
+from fxsplit.bench import allocator, baselines, settings
 from fxsplit.bench import run as bench
 from fxsplit.bench.models import MODELS
 
@@ -90,26 +91,26 @@ def test_quick_never_overwrites_a_full_run(tmp_path: pathlib.Path, capsys: pytes
 
 
 def test_quick_has_its_own_default_file() -> None:
-    parser = bench.build_parser()
-    full = bench.settings_from_args(parser.parse_args(["--device", "cpu"]), parser)
-    quick = bench.settings_from_args(parser.parse_args(["--device", "cpu", "--quick"]), parser)
+    parser = cli.build_bench_parser()
+    full = settings.settings_from_args(parser.parse_args(["--device", "cpu"]), parser)
+    quick = settings.settings_from_args(parser.parse_args(["--device", "cpu", "--quick"]), parser)
     assert full.out is not None and quick.out is not None
     assert quick.out.parent == full.out.parent
     assert quick.out.name == full.out.stem + "-quick.json"
-    mlp = bench.settings_from_args(parser.parse_args(["--device", "cpu", "--quick", "--model", "mlp"]), parser)
+    mlp = settings.settings_from_args(parser.parse_args(["--device", "cpu", "--quick", "--model", "mlp"]), parser)
     assert mlp.out is not None and mlp.out.name.endswith("-mlp-quick.json")
 
 
 def test_model_choices_are_the_registered_models() -> None:
-    action = next(a for a in bench.build_parser()._actions if a.dest == "model")
+    action = next(a for a in cli.build_bench_parser()._actions if a.dest == "model")
     assert list(action.choices) == sorted(MODELS)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_every_model_has_valid_default_and_quick_settings(model: str) -> None:
-    parser = bench.build_parser()
+    parser = cli.build_bench_parser()
     for extra in ([], ["--quick"]):
-        s = bench.settings_from_args(parser.parse_args(["--device", "cpu", "--model", model, *extra]), parser)
+        s = settings.settings_from_args(parser.parse_args(["--device", "cpu", "--model", model, *extra]), parser)
         assert s.model.name == model and s.reps >= 1
 
 
@@ -136,7 +137,7 @@ def test_bench_refuses_when_upstream_split_cannot_run(monkeypatch: pytest.Monkey
         def stage_backward_weight(weights: object, pending: object) -> None:
             raise RuntimeError("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase.")
 
-    monkeypatch.setattr(bench, "_upstream", lambda: BrokenUpstream)
+    monkeypatch.setattr(baselines, "upstream", lambda: BrokenUpstream)
     line = _error(["--quick", "--device", "cpu"], capsys)
     assert "pytorch/pytorch#166577" in line and "_input_metadata" in line and torch.__version__ in line
 
@@ -149,18 +150,16 @@ def test_malloc_retain_is_cpu_only(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 
 
 def test_malloc_retain_needs_glibc(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from fxsplit.bench import allocator
-
     monkeypatch.setattr(allocator.platform, "libc_ver", lambda: ("", ""))
     assert "--malloc retain: it needs glibc's malloc" in _error(["--device", "cpu", "--malloc", "retain"], capsys)
 
 
 def test_malloc_retain_has_its_own_default_file() -> None:
-    parser = bench.build_parser()
-    full = bench.settings_from_args(parser.parse_args(["--device", "cpu", "--model", "llama"]), parser)
-    if bench.allocator.glibc_problem() is not None:
-        pytest.skip(f"--malloc retain cannot run here: {bench.allocator.glibc_problem()}")
-    kept = bench.settings_from_args(parser.parse_args(["--device", "cpu", "--model", "llama", "--malloc", "retain"]),
+    parser = cli.build_bench_parser()
+    full = settings.settings_from_args(parser.parse_args(["--device", "cpu", "--model", "llama"]), parser)
+    if allocator.glibc_problem() is not None:
+        pytest.skip(f"--malloc retain cannot run here: {allocator.glibc_problem()}")
+    kept = settings.settings_from_args(parser.parse_args(["--device", "cpu", "--model", "llama", "--malloc", "retain"]),
                                     parser)
     assert full.malloc == "default" and kept.malloc == "retain"
     assert full.out is not None and kept.out is not None

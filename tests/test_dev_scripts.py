@@ -1,4 +1,4 @@
-"""The developer scripts README quotes figures from run and report what they say."""
+"""The developer scripts docs/benchmark.md quotes figures from run and report what they say."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ LAYOUTS: dict[str, tuple[dict[str, bool], Callable[[FirstStage], list[nn.Module]
     # head and passes through the regions to the embedding, so they keep their saved state
     "tied_ends": ({"head": True, "tied": True}, lambda m: [m.trunk.first, m.trunk.second], 2),
 }
-# W re-runs the input-gradient work between a tied weight's two uses (README, known limitations)
+# W re-runs the input-gradient work between a tied weight's two uses (docs/semantics.md, Limitations)
 UNTIED = [name for name, (kwargs, _, _) in LAYOUTS.items() if not kwargs.get("tied")]
 
 

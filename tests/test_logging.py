@@ -1,4 +1,4 @@
-"""fxsplit's logging as README describes it, and the split's graphs in TORCH_LOGS and the structured trace.
+"""fxsplit's logging as docs/troubleshooting.md describes it, and the split's graphs in TORCH_LOGS and the structured trace.
 
 Logging configuration (handlers, levels, ``TORCH_LOGS``, ``TORCH_TRACE``) is
 process-global and partly read when torch and fxsplit are imported, so the
@@ -105,7 +105,7 @@ def test_nothing_printed_by_default(in_program: dict[str, tuple[str, str, list[s
 
 
 def test_debug_level_alone_prints_one_line_per_b_and_w(in_program: dict[str, tuple[str, str, list[str]]]) -> None:
-    """README: ``logging.getLogger("fxsplit").setLevel(logging.DEBUG)`` alone prints."""
+    """docs/troubleshooting.md: ``logging.getLogger("fxsplit").setLevel(logging.DEBUG)`` alone prints."""
     out, err, (region, _, _) = in_program["level"]
     assert out == ""
     _check_b_w_and_split_lines(err, region)

@@ -27,10 +27,21 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+# Where the installed package's modules come from: the pure passes live in the repository's
+# top-level passes/ and are installed as fxsplit.passes (pyproject.toml's package-dir mapping).
+INSTALLED_FROM = {"fxsplit/": "fxsplit/", "passes/": "fxsplit/passes/"}
+
+
 def _repo_files() -> list[str]:
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     return [f for f in out.splitlines() if (REPO / f).is_file()]
+
+
+def _installed_modules() -> set[str]:
+    """The package's modules as a wheel names them (``fxsplit/...py``), from the repository's files."""
+    return {installed + f[len(src):] for f in _repo_files() if f.endswith(".py")
+            for src, installed in INSTALLED_FROM.items() if f.startswith(src)}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +67,9 @@ def test_wheel_ships_only_the_fxsplit_package(wheel: pathlib.Path) -> None:
     assert stray == [], f"the wheel installs files outside fxsplit/: {stray}"
     # every module of the package is shipped (the bench, the passes, the CLI), and nothing else
     shipped = {n for n in names if n.startswith("fxsplit/")}
-    in_repo = {f for f in _repo_files() if f.startswith("fxsplit/") and f.endswith(".py")}
-    assert shipped == in_repo
+    in_repo = _installed_modules()
+    assert shipped == in_repo, ("a subpackage missing from pyproject.toml's [tool.setuptools] packages?",
+                                sorted(shipped ^ in_repo))
     assert {"fxsplit/cli.py", "fxsplit/bench/run.py", "fxsplit/bench/models.py", "fxsplit/passes/split.py",
             "fxsplit/_logging.py"} <= shipped
     top_level = zipfile.ZipFile(wheel).read(dist_info + "top_level.txt").decode().split()
@@ -121,3 +133,26 @@ def test_installed_wheel_works_from_an_empty_folder(wheel: pathlib.Path, tmp_pat
                          timeout=300)
     assert run.returncode == 2 and "--reps" in run.stderr, run.stderr[-2000:]
     assert list(empty.iterdir()) == []  # nothing written
+
+
+EDITABLE_CHECK = r'''
+import importlib.util
+import fxsplit, fxsplit.passes
+print(fxsplit.__file__)
+print(fxsplit.passes.__file__)
+print([name for name in ("passes", "benchmarks", "tests", "examples") if importlib.util.find_spec(name) is not None])
+'''
+
+
+def test_editable_install_maps_passes_and_installs_no_passes_name(tmp_path: pathlib.Path) -> None:
+    """The editable install (CI's test command) imports ``fxsplit.passes`` from the top-level
+    ``passes/`` directory, from any folder, and puts no other top-level name on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", EDITABLE_CHECK], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fxsplit_file, passes_file, top_level = run.stdout.strip().splitlines()
+    if pathlib.Path(fxsplit_file) != REPO / "fxsplit" / "__init__.py":
+        pytest.skip(f"fxsplit is installed from {fxsplit_file}, not editable from this checkout")
+    assert pathlib.Path(passes_file) == REPO / "passes" / "__init__.py"
+    assert top_level == "[]"

@@ -3,7 +3,7 @@
 drop-ins and run on eager modules, on modules compiled with fxsplit
 (``compiler="eager"``) and, for a subset, with the real Inductor.
 
-Where fxsplit differs from upstream on purpose, the test says so and README
+Where fxsplit differs from upstream on purpose, the test says so and docs/semantics.md
 ("Differences from upstream") gives the reason.
 """
 
