@@ -10,7 +10,8 @@ pytorch/pytorch#166577 and the V-shaped schedules with gloo) and 2.15.0
 between releases handled here are feature-detected:
 :func:`function_nodes_outlive_their_graph` (torch 2.11),
 :func:`_fsdp_state_param_groups` (torch 2.11),
-:func:`fsdp_has_manual_backward_finalization` (torch 2.15).
+:func:`fsdp_has_manual_backward_finalization` (torch 2.15),
+:func:`keep_saved_through_detach` (``SavedTensor.data``/``unpack_hook``).
 """
 
 from __future__ import annotations
@@ -549,6 +550,80 @@ def release_saved_tensors(node: Any) -> int:
                 continue  # None, already freed, or hooks already set: nothing we may release
             released += 1
     return released
+
+
+class _DetachedAlias:
+    """What a saved tensor holds once :func:`keep_saved_through_detach` re-packed
+    it: an out-of-place detached alias of the tensor (same storage and version
+    counter) and the version the tensor was at then."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+
+def _unpack_alias(packed: _DetachedAlias) -> torch.Tensor:
+    # Autograd checks the version of a tensor saved without hooks; one saved
+    # with hooks is not checked, so the check is made here, with its message.
+    t = packed.tensor
+    if t._version != packed.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {packed.version} "
+            "instead. (fxsplit: a stage output that W's autograd nodes saved was modified in place between "
+            "stage_backward_input and stage_backward_weight.)"
+        )
+    return t
+
+
+def keep_saved_through_detach(nodes: Sequence[Any], t: torch.Tensor) -> bool:
+    """Make the references ``nodes`` saved to ``t`` itself survive ``t.detach_()``;
+    ``False`` if that cannot be ensured (then ``t`` must stay attached).
+
+    A node that saved one of its forward's inputs holds that very tensor, and
+    unpacking it after an in-place detach raises "Trying to use a saved tensor
+    that has been detached in-place". Each such saved tensor is re-packed: a
+    pair of hooks is registered on it (``_raw_saved_<name>.register_hooks``,
+    the documented per-tensor form of saved-tensor hooks, as
+    :func:`release_saved_tensors` uses), which makes autograd record the
+    tensor's ``grad_fn`` in the saved variable at once and store what the
+    pack hook returns, an out-of-place detached alias. Unpacking then gives the
+    same values with the same autograd edge, whatever happens to ``t``'s own
+    autograd metadata; the unpack hook keeps autograd's version check.
+
+    Relies on ``SavedTensor.data`` (the saved object: the tensor itself when
+    saved without hooks) and ``SavedTensor.unpack_hook`` (``None`` without
+    hooks), to find ``t`` without unpacking anything, and on
+    ``SavedTensor.unpack`` (where present) to run autograd's version check
+    before re-packing. Saved tensors that carry hooks already (e.g.
+    checkpointing) hold their ``grad_fn`` and are left alone. ``False`` when
+    this torch lacks these attributes, or ``t`` was modified in place after
+    a node saved it (left attached, autograd's own error is raised where the
+    node runs, as in ordinary backward).
+    """
+    saved_tensor_type = torch._C._autograd.SavedTensor
+    if not (hasattr(saved_tensor_type, "data") and hasattr(saved_tensor_type, "unpack_hook")):
+        return False
+    for node in nodes:
+        for name in _raw_saved_names(node):
+            try:
+                saved = getattr(node, name)
+            except RuntimeError:
+                continue
+            for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+                if item is None:
+                    continue
+                try:
+                    if item.unpack_hook is not None or item.data is not t:
+                        continue
+                    if hasattr(item, "unpack"):
+                        item.unpack()  # autograd's version check
+                except RuntimeError:
+                    return False
+                item.register_hooks(_DetachedAlias, _unpack_alias)
+    return True
 
 
 def saved_tensors_of(node: Any) -> list[torch.Tensor]:
