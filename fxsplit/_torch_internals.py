@@ -10,7 +10,8 @@ pytorch/pytorch#166577 and the V-shaped schedules with gloo) and 2.15.0
 between releases handled here are feature-detected:
 :func:`function_nodes_outlive_their_graph` (torch 2.11),
 :func:`_fsdp_state_param_groups` (torch 2.11),
-:func:`fsdp_has_manual_backward_finalization` (torch 2.15).
+:func:`fsdp_has_manual_backward_finalization` (torch 2.15),
+:func:`keep_saved_through_detach` (``SavedTensor.data``/``unpack_hook``).
 """
 
 from __future__ import annotations
@@ -720,6 +721,80 @@ def release_saved_tensors(node: Any) -> int:
     return released
 
 
+class _DetachedAlias:
+    """What a saved tensor holds once :func:`keep_saved_through_detach` re-packed
+    it: an out-of-place detached alias of the tensor (same storage and version
+    counter) and the version the tensor was at then."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+
+def _unpack_alias(packed: _DetachedAlias) -> torch.Tensor:
+    # Autograd checks the version of a tensor saved without hooks; one saved
+    # with hooks is not checked, so the check is made here, with its message.
+    t = packed.tensor
+    if t._version != packed.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {packed.version} "
+            "instead. (fxsplit: a stage output that W's autograd nodes saved was modified in place between "
+            "stage_backward_input and stage_backward_weight.)"
+        )
+    return t
+
+
+def keep_saved_through_detach(nodes: Sequence[Any], t: torch.Tensor) -> bool:
+    """Make the references ``nodes`` saved to ``t`` itself survive ``t.detach_()``;
+    ``False`` if that cannot be ensured (then ``t`` must stay attached).
+
+    A node that saved one of its forward's inputs holds that very tensor, and
+    unpacking it after an in-place detach raises "Trying to use a saved tensor
+    that has been detached in-place". Each such saved tensor is re-packed: a
+    pair of hooks is registered on it (``_raw_saved_<name>.register_hooks``,
+    the documented per-tensor form of saved-tensor hooks, as
+    :func:`release_saved_tensors` uses), which makes autograd record the
+    tensor's ``grad_fn`` in the saved variable at once and store what the
+    pack hook returns, an out-of-place detached alias. Unpacking then gives the
+    same values with the same autograd edge, whatever happens to ``t``'s own
+    autograd metadata; the unpack hook keeps autograd's version check.
+
+    Relies on ``SavedTensor.data`` (the saved object: the tensor itself when
+    saved without hooks) and ``SavedTensor.unpack_hook`` (``None`` without
+    hooks), to find ``t`` without unpacking anything, and on
+    ``SavedTensor.unpack`` (where present) to run autograd's version check
+    before re-packing. Saved tensors that carry hooks already (e.g.
+    checkpointing) hold their ``grad_fn`` and are left alone. ``False`` when
+    this torch lacks these attributes, or ``t`` was modified in place after
+    a node saved it (left attached, autograd's own error is raised where the
+    node runs, as in ordinary backward).
+    """
+    saved_tensor_type = torch._C._autograd.SavedTensor
+    if not (hasattr(saved_tensor_type, "data") and hasattr(saved_tensor_type, "unpack_hook")):
+        return False
+    for node in nodes:
+        for name in _raw_saved_names(node):
+            try:
+                saved = getattr(node, name)
+            except RuntimeError:
+                continue
+            for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+                if item is None:
+                    continue
+                try:
+                    if item.unpack_hook is not None or item.data is not t:
+                        continue
+                    if hasattr(item, "unpack"):
+                        item.unpack()  # autograd's version check
+                except RuntimeError:
+                    return False
+                item.register_hooks(_DetachedAlias, _unpack_alias)
+    return True
+
+
 def saved_tensors_of(node: Any) -> list[torch.Tensor]:
     """The tensors ``node`` holds for its backward (unpacked: a tensor saved
     with ``saved_tensors_hooks`` runs its unpack hook). Tensors already freed
@@ -860,3 +935,125 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
 
 # The library object owns the registration: kept for the life of the process.
 _ADDMM_INTO_LIB, ADDMM_INTO = _define_accumulating_matmul()
+
+
+# -- torch.distributed.pipelining's schedule IR (used by fxsplit.schedules) ------------------
+# A schedule's action order is upstream's private IR: ``schedules._Action`` (stage, computation
+# type, microbatch, sub-actions) in per-rank lists (``pipeline_order``), lowered by
+# ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (validation, UNSHARD/RESHARD,
+# REDUCE_GRAD, SEND/RECV) into ``pipeline_order_with_comms``, the list its runtime executes.
+# Everything fxsplit.schedules reads or builds of it goes through the helpers below.
+
+
+@functools.cache
+def _pipelining_schedules() -> Any:
+    import torch.distributed.pipelining.schedules as schedules
+
+    return schedules
+
+
+def make_action(stage: int, kind: str, microbatch: int | None = None, sub_actions: tuple[Any, ...] | None = None) -> Any:
+    """An upstream schedule action (``schedules._Action``): ``kind`` is the
+    computation type's string (``"F"``, ``"I"``, ``"W"``, ``"B"``, ``"SEND_F"``, ...,
+    ``"OVERLAP_F_B"``). Relies on ``_Action`` being the named tuple
+    ``(stage_index, computation_type, microbatch_index, sub_actions)`` and
+    ``_ComputationType.from_str``."""
+    s = _pipelining_schedules()
+    return s._Action(stage, s._ComputationType.from_str(kind), microbatch, sub_actions)
+
+
+def action_parts(action: Any) -> tuple[int, str, int | None, tuple[Any, ...] | None]:
+    """``(stage, kind, microbatch, sub_actions)`` of an upstream action; ``kind`` as
+    in :func:`make_action`. Relies on the ``_Action`` fields named there and on
+    ``_ComputationType`` being a ``str`` enum whose value is the short name."""
+    kind = action.computation_type
+    return action.stage_index, str(getattr(kind, "value", kind)), action.microbatch_index, action.sub_actions
+
+
+def parse_action(text: str) -> Any:
+    """``_Action.from_str``: ``"2F0"``, ``"1SEND_B3"``, ``"(0F3;3B1)OVERLAP_F_B"``; ``None`` for ``""``."""
+    return _pipelining_schedules()._Action.from_str(text)
+
+
+class _ShapelessStage:
+    """What upstream schedules read of their stages while they compute their action
+    order (``num_stages``, ``group_size``, ``group_rank``, ``submod``, ``stage_index``);
+    no module, no process group."""
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int) -> None:
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_size, self.group_rank = group_size, group_rank
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod = torch.nn.Module()
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def upstream_schedule_orders(
+    name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int
+) -> tuple[dict[int, list[Any]], dict[int, list[Any]] | None, dict[int, int]]:
+    """``(pipeline_order, pipeline_order_with_comms, stage_to_rank)`` of upstream's
+    schedule class ``name`` for ``n_ranks`` ranks holding ``stages_per_rank``
+    stages each, computed by the class itself on stand-in stages (no model, no
+    process group). ``pipeline_order_with_comms`` is ``None`` for a
+    single-stage schedule (it has no lowered order).
+
+    Relies on: every schedule computing ``pipeline_order`` for all ranks in its
+    constructor from ``stages[0].group_size`` / ``group_rank`` / ``num_stages``
+    (``_check_torch_compile_compatibility`` reading ``submod``), the
+    ``_PipelineScheduleRuntime`` subclasses also lowering it into
+    ``pipeline_order_with_comms``, and ``stage_index_to_group_rank`` holding the
+    placement. Raises ``ValueError`` where the class refuses the sizes.
+    """
+    s = _pipelining_schedules()
+    cls = getattr(s, name)
+    n_stages = n_ranks * stages_per_rank
+    if issubclass(cls, s.PipelineScheduleSingle):
+        if stages_per_rank != 1:
+            raise ValueError(f"{name} holds one stage per rank, not {stages_per_rank}")
+        schedule = cls(_ShapelessStage(0, n_stages, n_ranks, 0), n_microbatches)
+        return dict(schedule.pipeline_order or {}), None, {r: r for r in range(n_ranks)}
+    stages = [_ShapelessStage(i, n_stages, n_ranks, 0) for i in range(stages_per_rank)]
+    schedule = cls(stages, n_microbatches)
+    return (dict(schedule.pipeline_order), dict(schedule.pipeline_order_with_comms),
+            dict(schedule.stage_index_to_group_rank))
+
+
+def _runtime_on_stand_ins(n_ranks: int, n_stages: int, n_microbatches: int) -> Any:
+    return _pipelining_schedules()._PipelineScheduleRuntime(
+        [_ShapelessStage(0, n_stages, n_ranks, 0)], n_microbatches)
+
+
+def lower_schedule(
+    order: dict[int, list[Any]], n_ranks: int, n_stages: int, n_microbatches: int
+) -> tuple[dict[int, list[Any]], dict[int, int]]:
+    """``(pipeline_order_with_comms, stage_to_rank)``: a compute-only action order
+    lowered exactly as ``_PipelineScheduleRuntime`` lowers what it is given:
+    ``_prepare_schedule_with_comms``, which first checks it with
+    ``_validate_schedule`` (every stage on one rank, F before I/B before W per
+    microbatch, all microbatches) and raises ``AssertionError`` on a malformed
+    order (also when ``_add_send_recv`` cannot place the sends and receives)."""
+    runtime = _runtime_on_stand_ins(n_ranks, n_stages, n_microbatches)
+    runtime._prepare_schedule_with_comms({r: list(a) for r, a in order.items()})
+    return dict(runtime.pipeline_order_with_comms), dict(runtime.stage_index_to_group_rank)
+
+
+def schedule_from_csv(
+    path: str, n_ranks: int, n_stages: int, n_microbatches: int
+) -> tuple[dict[int, list[Any]], dict[int, list[Any]]]:
+    """``(pipeline_order, pipeline_order_with_comms)`` as ``_PipelineScheduleRuntime._load_csv``
+    reads a compute-only CSV (one row per rank, one action per cell)."""
+    runtime = _runtime_on_stand_ins(n_ranks, n_stages, n_microbatches)
+    runtime._load_csv(path)
+    return dict(runtime.pipeline_order), dict(runtime.pipeline_order_with_comms)
+
+
+def runtime_schedule(stages: Sequence[Any], n_microbatches: int, order: dict[int, list[Any]], **kwargs: Any) -> Any:
+    """A ``_PipelineScheduleRuntime`` over this rank's ``stages`` running the
+    compute-only action ``order`` (all ranks), set up as its ``_load_csv`` does:
+    ``pipeline_order`` assigned, then ``_prepare_schedule_with_comms`` (which
+    validates it, takes the stage placement from it and lowers it).
+    ``kwargs`` go to the constructor (``loss_fn``, ``scale_grads``, ...)."""
+    runtime = _pipelining_schedules()._PipelineScheduleRuntime(list(stages), n_microbatches, **kwargs)
+    runtime.pipeline_order = {r: list(a) for r, a in order.items()}
+    runtime._prepare_schedule_with_comms(runtime.pipeline_order)
+    return runtime

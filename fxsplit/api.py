@@ -207,7 +207,10 @@ def stage_backward_input(
     ``input_values[i]`` (``None`` for non-tensors and inputs that need no
     gradient), accumulates each dinput into its input's ``.grad``, leaves every
     weight's ``.grad`` untouched (no weight hook fires), and detaches the
-    (non-view, non-leaf) stage outputs. ``param_groups`` is a
+    (non-view, non-leaf) stage outputs in place, as upstream does; where eager
+    code that W re-runs saved an output itself (a linear holding a weight
+    consumed it), that saved reference is kept valid through the detach, so W
+    works wherever ordinary backward would. ``param_groups`` is a
     :class:`PendingWeightGrads` to pass to :func:`stage_backward_weight`
     (once, or again after a W that raised).
 
@@ -315,14 +318,17 @@ def stage_backward_input(
             for node in plan.above:
                 ti.release_saved_tensors(node)
         work.anchor(anchors)
-    del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
-    for o in outs:
+    for o, users in zip(outs, plan.output_users):
         if isinstance(o, torch.Tensor) and o.grad_fn is not None:
             setattr(o, _B_DONE, True)
             # Frees the graph above the outputs that nothing needs any more.
             # Views cannot be detached in place (upstream's fix: skip them).
-            if not o._is_view():
+            # A node W runs may have saved the output itself (eager code
+            # holding a weight consumed it): its saved reference is made to
+            # survive the detach, or the output stays attached.
+            if not o._is_view() and (not users or ti.keep_saved_through_detach(users, o)):
                 o.detach_()
+    del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "fxsplit: B: dI ran compiled in %s, eager autograd for the rest; W pending: %s",

@@ -14,16 +14,10 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+
+from fxsplit._argparse import OneLineErrorParser
 
 __all__ = ["OneLineErrorParser", "build_bench_parser", "main"]
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``<prog>: error: <message> (see <prog> --help)``, exit status 2."""
-
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 _COMMANDS = {"bench": "time, FLOPs and memory of the backward in six modes (eager / inductor / fxsplit, "
@@ -86,6 +80,10 @@ def build_bench_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
                    help="JSON path (default: benchmarks/results/<device>[-<model>][-quick].json); the chart goes "
                    "next to it as .png")
     p.add_argument("--no-chart", action="store_true", help="do not draw the PNG chart")
+    p.add_argument("--pipeline", action="store_true",
+                   help="time whole pipeline training steps on several ranks instead (schedules with Inductor, "
+                   "fxsplit and eager stages, simulated next to measured, a generated schedule); its options: "
+                   "fxsplit bench --pipeline --help")
     p.add_argument("--malloc", default="default", choices=allocator.CHOICES,
                    help="CPU only: 'retain' tells glibc's malloc to keep freed memory for reuse (mmap threshold "
                    "32 MiB, no trimming) instead of handing it back to the OS and faulting it in again, as CUDA's "
@@ -105,6 +103,10 @@ def bench(argv: Sequence[str] | None = None, prog: str = "fxsplit bench") -> int
     from fxsplit.bench import run as bench_run
     from fxsplit.bench.settings import settings_from_args
 
+    if "--pipeline" in (argv or ()):  # the multi-rank benchmark has options of its own
+        from fxsplit import cli_pipeline
+
+        return cli_pipeline.bench_pipeline([a for a in argv if a != "--pipeline"], prog=f"{prog} --pipeline")
     parser = build_bench_parser(prog)
     settings = settings_from_args(parser.parse_args(argv), parser)
     why = baselines.upstream_split_failure()

@@ -35,6 +35,12 @@ Terms used below, for one stage:
   Their saved tensors must survive B; every other B-set node below an
   intermediate is *released* when B ends (B retains the graph for the
   re-run nodes only).
+* *output users*: for each stage output, the nodes W executes (re-run
+  nodes and W-side nodes) with an edge into the output's gradient node.
+  Such a node may have saved the output itself (an input of its forward,
+  e.g. ``addmm`` saves its input for the weight's gradient), which B's
+  in-place detach of the output would invalidate
+  (:func:`fxsplit._torch_internals.keep_saved_through_detach`).
 
 fxsplit-compiled regions in the B set run their dI graph in B and record
 their own dW work, so the edges from such a region to its parameters are
@@ -142,6 +148,11 @@ class EagerWeightPlan:
     given), the split regions with no split region below them, and the edges
     into them B's autograd call captures the gradients of (see the module
     docs); empty otherwise.
+    ``output_users``: one list per stage output edge, the nodes W executes
+    (``rerun`` and ``w_side``) with an edge into that output's gradient
+    node: the nodes whose forward took the output as a differentiable input,
+    which are those that may have saved it (module docs; a custom Function
+    saving a tensor it was not given is not among them).
     """
 
     intermediates: list[Node]
@@ -156,6 +167,7 @@ class EagerWeightPlan:
     above: list[Node] = dataclasses.field(default_factory=list)
     bottom_regions: list[Node] = dataclasses.field(default_factory=list)
     captures: list[GradientEdge] = dataclasses.field(default_factory=list)
+    output_users: list[list[Node]] = dataclasses.field(default_factory=list)
 
     @property
     def eager_weights(self) -> list[torch.Tensor]:
@@ -374,6 +386,8 @@ def plan_eager_weight_work(
     above: list[Node] = []
     if eager:  # B retains the graph only for these
         rerun, release, above = _rerun_and_release(eager, groups, b_set, parents)
+    executed = rerun | w_side
+    output_users = [[p for p in dict.fromkeys(parents.get(e.node, ())) if p in executed] for e in output_edges]
     return EagerWeightPlan(
         eager,
         list(w_roots),
@@ -387,4 +401,5 @@ def plan_eager_weight_work(
         above=above,
         bottom_regions=bottom,
         captures=captures,
+        output_users=output_users,
     )

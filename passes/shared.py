@@ -13,6 +13,15 @@ computation of only the outputs dI needs and dW a computation of the rest:
   indices, an FX graph computing just those outputs;
 * with neither, the node stays whole in dI (correct, but weight work in B)
   and is reported as such in :class:`SharedNode`.
+
+Only nodes that compute something are shared nodes. A multi-output view
+(``split``, ``chunk``, ``unbind``, ``split_with_sizes``, ``tensor_split``:
+the schema says its outputs alias its input, :func:`fxsplit.passes.roles.is_view`)
+does no work at all, so B does none of W's work by running it: it stays in dI
+and each output dW reads crosses as a tensor, like the output of any dI node
+(a min-cut partitioner recomputes such views in the backward, so a forward
+``chunk`` whose halves feed an input chain and a weight product puts one
+there). Every other multi-output op, memory-bound or not, is real work.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fxsplit.passes.roles import is_view
 
 __all__ = ["OutputSubset", "SharedNode", "SplitRuleError", "find_shared_nodes", "op_name", "split_shared_node"]
 
@@ -91,14 +102,15 @@ def _getitem_users(node: fx.Node) -> list[fx.Node] | None:
 def find_shared_nodes(
     graph: fx.Graph, di_nodes: Collection[fx.Node], dw_needed: Collection[fx.Node]
 ) -> list[tuple[fx.Node, tuple[int, ...], tuple[int, ...]]]:
-    """Multi-output nodes dI runs that also compute outputs only dW reads.
+    """Multi-output nodes dI runs that also compute outputs only dW reads,
+    views left out (they compute nothing: module docs).
 
     Returns ``(node, di_outputs, dw_outputs)``: the output indices dI reads,
     and those dW reads that dI does not.
     """
     found = []
     for n in graph.nodes:
-        if n not in di_nodes or n.op != "call_function":
+        if n not in di_nodes or n.op != "call_function" or is_view(n):
             continue
         users = _getitem_users(n)
         if not users:

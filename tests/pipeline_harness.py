@@ -273,6 +273,8 @@ class Case:
     compiler: str = "eager"
     fused_backward: bool = True
     layout: str = "float"  # or "lm" (see the module docs)
+    # schedule "generated": a fxsplit.schedules.GeneratedSchedule, run by its build()
+    generated: Any = None
 
     @property
     def key(self) -> str:
@@ -334,7 +336,10 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
     import fxsplit
 
     torch._dynamo.reset()
-    stage_ids, n_stages = stage_ids_for(case.schedule, rank, world)
+    if case.generated is not None:
+        stage_ids, n_stages = case.generated.stages_of(rank), len(case.generated.stage_to_rank)
+    else:
+        stage_ids, n_stages = stage_ids_for(case.schedule, rank, world)
     reference = build_reference(n_stages, case.layout)
     modules = {s: copy.deepcopy(reference[s]) for s in stage_ids}
     backend = fxsplit.backend(compiler=case.compiler, fused_backward=case.fused_backward)
@@ -343,12 +348,14 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
 
     stage_cls = make_recording_stage_class()
     stages = [stage_cls(modules[s], s, n_stages, torch.device("cpu")) for s in stage_ids]
-    schedule_cls = getattr(schedules, case.schedule)
     stage_loss = loss_for(case.layout)
-    if case.schedule == "Schedule1F1B":
+    if case.generated is not None:
+        schedule = case.generated.build(stages, loss_fn=stage_loss)
+    elif case.schedule == "Schedule1F1B":
+        schedule_cls = getattr(schedules, case.schedule)
         schedule = schedule_cls(stages[0], N_MICROBATCHES, loss_fn=stage_loss)
     else:
-        schedule = schedule_cls(stages, N_MICROBATCHES, loss_fn=stage_loss)
+        schedule = getattr(schedules, case.schedule)(stages, N_MICROBATCHES, loss_fn=stage_loss)
 
     ref_opt = torch.optim.SGD([p for m in reference for p in m.parameters()], lr=LR)
     opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=LR)

@@ -867,3 +867,58 @@ def test_recompiles_do_not_accumulate_regions() -> None:
         torch._dynamo.reset()
     gc.collect()
     assert [r for r in fxsplit.compiled_regions() if r not in before] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# differences that come from torch.compile itself (docs/semantics.md)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+def test_an_output_given_no_gradient_behaves_as_under_torch_compile() -> None:
+    """A compiled region's output that receives no gradient: eager autograd
+    leaves ``b``'s ``.grad`` ``None`` and never calls its hooks; torch.compile
+    (AOTAutograd, any backend) materializes a zero gradient for the output,
+    so ``b`` gets a zero ``.grad`` and its hooks are called. B then W gives
+    what the same compile gives (``aot_eager`` here), not what eager gives."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x = torch.randn(3, 4)
+
+    def run(kind: str) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        m = copy.deepcopy(model)
+        seen: list[torch.Tensor] = []
+        m.b.weight.register_hook(lambda g: seen.append(g.clone()))
+        xi = x.clone().requires_grad_()
+        backend = "aot_eager" if kind == "aot_eager" else backend_for("compiled")
+        fn = m if kind == "eager" else torch.compile(m, backend=backend)
+        ya, _ = fn(xi)
+        g = torch.ones_like(ya)
+        if kind == "fxsplit":
+            params = list(m.parameters())
+            _, work = fxsplit.stage_backward_input([ya], [g], [xi], params)
+            fxsplit.stage_backward_weight(params, work)
+        else:
+            ya.backward(g)
+        return [xi.grad] + [p.grad for p in m.parameters()], seen
+
+    eager, eager_hooks = run("eager")
+    compiled, compiled_hooks = run("aot_eager")
+    split, split_hooks = run("fxsplit")
+    assert eager[3] is None and not eager_hooks  # b.weight: eager autograd never reaches it
+    assert compiled[3] is not None and len(compiled_hooks) == 1  # torch.compile's own behaviour
+    for s, c in zip(split, compiled):
+        assert (s is None) == (c is None)
+        if c is not None:
+            torch.testing.assert_close(s, c)
+    assert len(split_hooks) == len(compiled_hooks)
+    for s, c in zip(split_hooks, compiled_hooks):
+        torch.testing.assert_close(s, c)

@@ -306,6 +306,44 @@ def test_multi_output_op_without_rule_stays_in_di_and_crosses_leaf_by_leaf() -> 
     check_contract(bw, [1], placeholder_vals(bw))
 
 
+VIEW_SPLITS = {
+    "split": (aten.split.Tensor, (4, 8), (4, 1)),
+    "split_with_sizes": (aten.split_with_sizes.default, (4, 8), ([4, 4], 1)),
+    "chunk": (aten.chunk.default, (4, 8), (2, 1)),
+    "tensor_split": (aten.tensor_split.sections, (4, 8), (2, 1)),
+    "unbind": (aten.unbind.int, (4, 2, 4), (1,)),
+}
+
+
+@pytest.mark.parametrize("view", sorted(VIEW_SPLITS))
+def test_multi_output_view_feeding_both_sides_is_not_weight_work(view: str) -> None:
+    """A multi-output view in dI (a min-cut partitioner recomputes a forward
+    ``chunk`` in the backward) whose first part feeds the input-gradient chain
+    and second part a weight product: the view computes nothing, so it is no
+    shared node, nothing is reported as weight work in dI, and the part dW
+    reads crosses as a tensor."""
+    op, shape, args = VIEW_SPLITS[view]
+    b = GraphBuilder()
+    h = b.input("h", torch.randn(shape))
+    w = b.input("w", torch.randn(3, 4))
+    ga = b.input("tangents_a", torch.randn(4, 4))
+    g = b.input("tangents", torch.randn(4, 3))
+    parts = b.op("parts", op, h, *args)
+    first = b.op("first", operator.getitem, parts, 0)
+    second = b.op("second", operator.getitem, parts, 1)
+    da = b.op("da", aten.mul.Tensor, b.op("cos", aten.cos.default, first), ga)
+    dsecond = b.op("dsecond", aten.mm.default, g, w)
+    dw = b.op("dw", aten.mm.default, b.op("gt", aten.t.default, g), second)
+    bw = b.done(da, dsecond, dw)
+
+    split = split_backward(bw, [2])
+    assert split.shared == () and split.weight_work_in_di == ()
+    assert "weight work in dI" not in split.describe() and "shared:" not in split.describe()
+    assert "parts" in node_names(split.di_graph) and "dw" in node_names(split.dw_graph)
+    assert all(l.kind == "tensor" for l in split.live_ins)
+    check_contract(bw, [2], placeholder_vals(bw))
+
+
 def hand_rule(wrong_shape: bool = False) -> Callable[[fx.Node, frozenset[int]], fx.GraphModule | None]:
     """A split rule for ``fxsplit_test::linear_backward`` written as FX graphs by
     hand: output 0 is ``grad_out @ w``, output 1 is ``grad_out.T @ x``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from typing import Any
 
 import pytest
@@ -125,6 +126,59 @@ def test_op_without_rule_runs_whole_in_di_and_is_reported_once(
         assert all(l.kind in ("tensor", "symint") for l in split.live_ins)
     warnings = [r.getMessage() for r in caplog.records if r.name == "fxsplit" and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and FUSED_BW in warnings[0] and "register_split_rule" in warnings[0], warnings
+
+
+class ViewSplitStage(nn.Module):
+    """A forward ``chunk`` whose first half feeds the input-gradient chain and
+    whose second half a weight product (the backward recomputes the view, as
+    ``aten.split``, to get both), then a ``fused_linear``: a real op with no rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 8, bias=False)
+        self.out = nn.Linear(4, 4, bias=False)
+        self.w = nn.Parameter(torch.randn(3, 4) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        a, b = h.chunk(2, -1)
+        return torch.ops.fxsplit_test.fused_linear(torch.sin(a) + self.out(b), self.w)
+
+
+def test_view_split_feeding_both_chains_is_not_reported_as_weight_work(
+    clean_rules: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Warnings are once per op per process: start from none reported.
+    monkeypatch.setattr(sys.modules["fxsplit.backend"], "_REPORTED_OPS", set())
+    model = ViewSplitStage()
+    refs = [copy.deepcopy(model), torch.compile(copy.deepcopy(model), backend=fxsplit.backend(compiler="eager"))]
+    x = torch.randn(5, 6, requires_grad=True)
+    g = torch.randn(5, 3)
+    expected = []
+    for ref in refs:  # ordinary backward, uncompiled and compiled
+        xr = x.detach().clone().requires_grad_()
+        ref(xr).backward(g)
+        expected.append((xr.grad, [p.grad for p in ref.parameters()]))
+    before = fxsplit.compiled_regions()
+    params = list(model.parameters())
+    with caplog.at_level(logging.WARNING, logger="fxsplit"):
+        out = torch.compile(model, backend=fxsplit.backend(compiler="eager"))(x)
+        (dx,), work = fxsplit.stage_backward_input(out, g, [x], params)
+        assert all(p.grad is None for p in params)
+        fxsplit.stage_backward_weight(params, work)
+    for ref_dx, ref_dw in expected:
+        torch.testing.assert_close(dx, ref_dx)
+        assert_grads_equal([p.grad for p in params], ref_dw)
+
+    (region,) = [r for r in new_regions(before) if r.split.shared]
+    split = region.split
+    assert region.stats["di_runs"] == region.stats["dw_runs"] == 1  # B then W went through the split
+    assert any("aten.split" in op for op in ops_in(split.di_graph)), "the backward has no view split to test"
+    assert [s.op for s in split.weight_work_in_di] == [FUSED_BW]
+    flagged = [line for line in split.describe().splitlines() if "weight work in dI" in line or "shared:" in line]
+    assert flagged and all(FUSED_BW in line for line in flagged), flagged
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fxsplit" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and FUSED_BW in warnings[0], warnings
 
 
 @pytest.mark.parametrize("key", ["string", "packet", "overload"])
