@@ -516,7 +516,7 @@ def _compile_region(
 _CONSEQUENCES = {
     "region": "running the region eagerly, where the eager split applies",
     "graph": "running that graph uncompiled, op by op (the region is still split)",
-    "accumulate": "accumulating those gradients through autograd instead",
+    "accumulate": "accumulating those gradients through autograd",
 }
 
 

@@ -215,6 +215,39 @@ def test_fallback_error_raises_at_b_before_anything_changes(monkeypatch: pytest.
     assert xi.grad is None and all(p.grad is None for p in params)
 
 
+def test_fallback_error_on_the_accumulating_graph_raises_at_w_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The accumulating dW variant compiles at the second microbatch's W: its failure under
+    ``fallback="error"`` raises there, names what the fallback would do, changes no ``.grad``,
+    and W without fused accumulation then finishes the microbatch."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected accumulate compile failure")
+
+    monkeypatch.setattr(fxbackend, "accumulate_into", broken)
+    fn = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    params = list(model.parameters())
+    (first, (x, g)) = data(2)
+    dxs = [split_step(fn, params, *first)]
+    before = [p.grad.clone() for p in params]
+    xi = x.clone().requires_grad_()
+    (dx,), work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], params)
+    with pytest.raises(fxsplit.FxsplitCompileError) as info:
+        fxsplit.stage_backward_weight(params, work)
+    message = str(info.value)
+    assert "injected accumulate compile failure" in message
+    assert message.endswith("would be accumulating those gradients through autograd instead"), message
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+    fxsplit.stage_backward_weight(params, work, fused_accumulation=False)
+    dxs.append(dx)
+    check(model, ref, dxs, [ordinary_step(ref, xx, gg) for xx, gg in data(2)])
+
+
 @pytest.mark.inductor
 @pytest.mark.parametrize("user", ["split", "ordinary"])
 def test_inductor_compiles_only_what_each_user_runs(user: str, inner_compiles: collections.Counter[str]) -> None:
