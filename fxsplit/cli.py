@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fxsplit._argparse import OneLineErrorParser
+from fxsplit._argparse import OneLineErrorParser, add_device_options
 
 __all__ = ["OneLineErrorParser", "build_bench_parser", "main"]
 
@@ -45,8 +45,6 @@ def build_bench_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
     """The options of ``fxsplit bench``; :func:`fxsplit.bench.settings.settings_from_args` checks their values."""
     # imported here: the benchmark pulls in torch.distributed.pipelining and the models
     from fxsplit.bench import allocator
-    from fxsplit.bench.models import MODELS
-    from fxsplit.bench.settings import DTYPES
 
     p = OneLineErrorParser(
         prog=prog,
@@ -55,10 +53,8 @@ def build_bench_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
         "4 microbatches accumulating into .grad, memory between B and W on a middle, last and first stage, and "
         "compile time per kind of user. Progress goes to stderr; the table to stdout.",
     )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="default: bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU")
-    p.add_argument("--model", default="gpt", choices=sorted(MODELS), help="default: gpt (a GPT-style middle stage)")
+    add_device_options(p, device_help="cpu or cuda[:N] (default: cuda if available, else cpu)",
+                       model_help="default: gpt (a GPT-style middle stage)")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None, help="sequence length (gpt, mlp) or image side (conv)")
     p.add_argument("--layers", type=int, default=None)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fxsplit._argparse import OneLineErrorParser
+from fxsplit._argparse import OneLineErrorParser, add_device_options
 
 __all__ = ["PIPELINE_SIZES", "QUICK_SIZES", "bench_pipeline", "build_pipeline_parser", "default_out_path",
            "settings_from_args"]
@@ -30,9 +30,6 @@ QUICK_SIZES = dict(batch=1, seq=16, layers=1, dim=32, heads=2)
 
 def build_pipeline_parser(prog: str = "fxsplit bench --pipeline") -> argparse.ArgumentParser:
     """The options of ``fxsplit bench --pipeline``; :func:`settings_from_args` checks their values."""
-    from fxsplit.bench.models import MODELS
-    from fxsplit.bench.settings import DTYPES
-
     p = OneLineErrorParser(
         prog=prog,
         description="Time whole pipeline training steps (schedule.step()) on several ranks (gloo on CPU, NCCL on "
@@ -42,10 +39,8 @@ def build_pipeline_parser(prog: str = "fxsplit bench --pipeline") -> argparse.Ar
         "next to what fxsplit.schedules.simulate predicts, then a simulated table for 8 to 64 stages. Progress goes "
         "to stderr; the tables to stdout.",
     )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="default: bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU")
-    p.add_argument("--model", default="gpt", choices=sorted(MODELS), help="the blocks each stage holds (default: gpt)")
+    add_device_options(p, device_help="cpu or cuda (default: cuda if available, else cpu)",
+                       model_help="the blocks each stage holds (default: gpt)")
     p.add_argument("--ranks", type=int, default=None, help="pipeline ranks (default 2; two stages per rank)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="per step (default 8; 4 with --quick); at least twice the ranks and a multiple of them")
