@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -900,6 +901,40 @@ def fake_like(tensor: torch.Tensor, examples: Sequence[Any]) -> Any:
         return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=tensor.device)
 
 
+class AccumulationLedger:
+    """Which ``.grad`` tensors an accumulating dW graph has begun and finished
+    writing, by data pointer, as its :data:`ACCUMULATION_BEGINS` /
+    :data:`ACCUMULATION_ENDS` brackets ran (see :func:`recording_accumulation`)."""
+
+    __slots__ = ("begun", "ended")
+
+    def __init__(self) -> None:
+        self.begun: set[int] = set()
+        self.ended: set[int] = set()
+
+    def state(self, grad: torch.Tensor) -> str:
+        """``"written"``, ``"untouched"`` or ``"unknown"`` (begun, not ended)."""
+        ptr = grad.data_ptr()
+        if ptr in self.ended:
+            return "written"
+        return "unknown" if ptr in self.begun else "untouched"
+
+
+_LEDGERS = threading.local()
+
+
+@contextlib.contextmanager
+def recording_accumulation() -> Iterator[AccumulationLedger]:
+    """Record, in this thread, the brackets the accumulating graphs run inside the block."""
+    previous = getattr(_LEDGERS, "current", None)
+    ledger = AccumulationLedger()
+    _LEDGERS.current = ledger
+    try:
+        yield ledger
+    finally:
+        _LEDGERS.current = previous
+
+
 def _define_accumulating_matmul() -> tuple[Any, Any]:
     """``fxsplit::addmm_into(grad, a, b)``: ``grad += a @ b`` in place (ATen's
     ``addmm_``, one GEMM with beta = 1), as an operator of our own.
@@ -923,7 +958,20 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
     lib.define("addmm_into(Tensor(a!) grad, Tensor a, Tensor b) -> ()", tags=(torch.Tag.flexible_layout,))
 
     def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        grad.addmm_(a, b)
+        # Recorded as one write (see AccumulationLedger): addmm_ either raises
+        # before writing or writes all of grad.
+        ledger = getattr(_LEDGERS, "current", None)
+        if ledger is None:
+            grad.addmm_(a, b)
+            return
+        ptr = grad.data_ptr()
+        ledger.begun.add(ptr)
+        try:
+            grad.addmm_(a, b)
+        except BaseException:
+            ledger.begun.discard(ptr)  # it checks and allocates before it writes
+            raise
+        ledger.ended.add(ptr)
 
     lib.impl("addmm_into", addmm_into, "CompositeExplicitAutograd")
     # FlopCounterMode counts it as the GEMM it is.
@@ -935,6 +983,34 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
 
 # The library object owns the registration: kept for the life of the process.
 _ADDMM_INTO_LIB, ADDMM_INTO = _define_accumulating_matmul()
+
+
+def _define_accumulation_brackets() -> tuple[Any, Any, Any]:
+    """``fxsplit::accumulation_begins(grad)`` / ``fxsplit::accumulation_ends(grad)``:
+    operators that do nothing to ``grad`` but declare that they mutate it, so
+    that Inductor keeps them (no dead-code elimination) and orders them before
+    and after the kernel that adds into ``grad`` (writes to one buffer run in
+    program order). Their CPU kernel records the data pointer in the current
+    :class:`AccumulationLedger`, if any. Compiled kernels write ``.grad`` without
+    telling anyone; these brackets are how W learns, after an exception,
+    which weights' accumulation happened. Tagged ``flexible_layout`` as
+    ``addmm_into`` is, so that Inductor hands them ``grad`` itself, never a
+    contiguous copy."""
+    lib = torch.library.Library("fxsplit", "FRAGMENT")
+    for name, field in (("accumulation_begins", "begun"), ("accumulation_ends", "ended")):
+        lib.define(f"{name}(Tensor(a!) grad) -> ()", tags=(torch.Tag.flexible_layout,))
+
+        def kernel(grad: torch.Tensor, field: str = field) -> None:
+            ledger = getattr(_LEDGERS, "current", None)
+            if ledger is not None:
+                getattr(ledger, field).add(grad.data_ptr())
+
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+        lib.impl(name, lambda grad: None, "Meta")
+    return lib, torch.ops.fxsplit.accumulation_begins.default, torch.ops.fxsplit.accumulation_ends.default
+
+
+_BRACKETS_LIB, ACCUMULATION_BEGINS, ACCUMULATION_ENDS = _define_accumulation_brackets()
 
 
 # -- torch.distributed.pipelining's schedule IR (used by fxsplit.schedules) ------------------

@@ -423,7 +423,8 @@ class _RegionGraphs:
         try:
             with self._compiling():
                 t0 = time.perf_counter()
-                gm = accumulate_into(self._split.dw_graph, positions, matmul_into=ti.ADDMM_INTO)
+                gm = accumulate_into(self._split.dw_graph, positions, matmul_into=ti.ADDMM_INTO,
+                                    brackets=(ti.ACCUMULATION_BEGINS, ti.ACCUMULATION_ENDS))
                 examples, static = self._dw_inputs()
                 examples = list(examples) + [ti.fake_like(g, examples) for g in grads]
                 outs = self._split.dw_outputs

@@ -11,8 +11,14 @@ work). :meth:`PendingWeightGrads.run` is W:
 1b. **accumulate in the graph** (fused accumulation): for a region whose
    weights already have a ``.grad`` that nothing observes being accumulated
    (:func:`accumulates_like_autograd`), a dW variant adds their gradients into
-   ``.grad`` in place. Running it is the commit of those weights: they count
-   as accumulated once it starts, also if it raises.
+   ``.grad`` in place. Running it is the commit of those weights. Each write
+   is bracketed by two operators the graph runs before and after it
+   (``fxsplit::accumulation_begins`` / ``_ends``), recorded while the graph
+   runs, so if it raises, each of its weights is known to be accumulated
+   (both ran: it counts as committed), untouched (neither: still pending,
+   computed again by the next W) or, where the exception fell between the
+   two, unknown: the exception says so, naming the weights, and W refuses to
+   run again rather than add a gradient twice or not at all.
 2. **commit**: :func:`commit_weight_grads`, the one place where W changes
    ``.grad``. Each call is one autograd engine call, as
    ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
@@ -359,6 +365,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # for W (every other node B ran has freed its own).
         self._rerun = list(rerun)
         self._committed: set[int] = set()
+        # Positions (in ``weights``) of weights an interrupted accumulating
+        # graph may or may not have written: W cannot be repeated.
+        self._unknown: list[int] = []
         self._anchors: list[Any] = []
         self._lock = threading.Lock()
         self.done = False
@@ -558,6 +567,13 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 raise RuntimeError(
                     "fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B"
                 )
+            if self._unknown:
+                raise RuntimeError(
+                    "fxsplit: W cannot be repeated for these param_groups: an earlier W was interrupted "
+                    f"while adding the gradients of {self._describe(self._unknown)} into .grad inside a "
+                    "compiled dW graph, at a point where fxsplit cannot tell whether they were added; "
+                    "those .grad tensors are unreliable: zero them (or restore them) and redo the step"
+                )
             t0 = time.perf_counter_ns()
             try:
                 self._compute_and_commit(fused_accumulation)
@@ -566,16 +582,43 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 self._release()
             except BaseException as e:
                 if hasattr(e, "add_note"):
-                    e.add_note(
-                        f"fxsplit: W was interrupted after accumulating {len(self._committed)} of "
-                        f"{len(self._weights)} weight(s); the rest is still pending: pass the same "
-                        "param_groups to stage_backward_weight again to finish it"
-                    )
+                    e.add_note(self._interrupted_note())
                 raise
             finally:
                 self.timings["w_ns"] += time.perf_counter_ns() - t0
         finally:
             self._lock.release()
+
+    def _describe(self, positions: Sequence[int]) -> str:
+        shown = ", ".join(f"weights[{k}] (shape {list(self._weights[k].shape)})" for k in positions[:8])
+        return shown + (f" and {len(positions) - 8} more" if len(positions) > 8 else "")
+
+    def _interrupted_note(self) -> str:
+        done = f"fxsplit: W was interrupted after accumulating {len(self._committed)} of {len(self._weights)} weight(s)"
+        if self._unknown:
+            return (
+                f"{done}; whether the gradients of {self._describe(self._unknown)} were added into .grad "
+                "cannot be known (the exception came while a compiled dW graph was writing them): those "
+                ".grad tensors are unreliable, and W for these param_groups raises if called again"
+            )
+        return f"{done}; the rest is still pending: pass the same param_groups to stage_backward_weight again to finish it"
+
+    def _settle_interrupted(self, fused: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                            ledger: ti.AccumulationLedger) -> None:
+        """After an accumulating dW graph raised: each of its weights is
+        committed (its write ran), still pending (untouched) or unknown."""
+        position = {id(w): k for k, w in enumerate(self._weights)}
+        written = []
+        for p, g in zip(fused, grads):
+            state = ledger.state(g)
+            if state == "written":
+                self._committed.add(id(p))
+                self.accumulated_in_graph.append(position[id(p)])
+                written.append(g)
+            elif state == "unknown":
+                self._unknown.append(position[id(p)])
+        # What a completed accumulating graph's caller does (CompiledWeightWork.accumulate).
+        torch.autograd.graph.increment_version(written)
 
     def _fusable(self, wanted: set[int], switch: bool | None) -> dict[int, tuple[int, ...]]:
         """For each compiled record (by index), the weights (positions in its
@@ -648,16 +691,21 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     compiled.setdefault(id(p), []).append(g)
                     by_id[id(p)] = (p, acc)
         # 2. accumulate inside the dW graphs: each graph's run is the commit of
-        # its fused weights (they count as accumulated once it starts, as an
-        # interrupted ordinary backward leaves .grad), and computes the rest.
+        # its fused weights, and computes the rest. Interrupted, the brackets
+        # it ran tell which of its weights were written.
         for i, (graph, positions) in accumulating.items():
             record = self.compiled[i]
-            fused_ids = {id(record.params[k]) for k in positions}
-            try:
-                rest = record.accumulate(graph, positions, wanted - fused_ids, self.timings)
-            finally:
-                self._committed.update(fused_ids)
-                self.accumulated_in_graph.extend(k for k, w in enumerate(self._weights) if id(w) in fused_ids)
+            fused = [record.params[k] for k in positions]
+            fused_ids = {id(p) for p in fused}
+            grads = [p.grad for p in fused]
+            with ti.recording_accumulation() as ledger:
+                try:
+                    rest = record.accumulate(graph, positions, wanted - fused_ids, self.timings)
+                except BaseException:
+                    self._settle_interrupted(fused, grads, ledger)
+                    raise
+            self._committed.update(fused_ids)
+            self.accumulated_in_graph.extend(k for k, w in enumerate(self._weights) if id(w) in fused_ids)
             for p, acc, g in rest:
                 compiled.setdefault(id(p), []).append(g)
                 by_id[id(p)] = (p, acc)

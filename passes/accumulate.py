@@ -52,7 +52,10 @@ def _matmul_operands(node: fx.Node, users_ok: int) -> tuple[fx.Node, fx.Node, bo
 
 
 def accumulate_into(
-    dw: fx.GraphModule, positions: Sequence[int], matmul_into: Callable[..., Any] = _aten.addmm_.default
+    dw: fx.GraphModule,
+    positions: Sequence[int],
+    matmul_into: Callable[..., Any] = _aten.addmm_.default,
+    brackets: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
 ) -> fx.GraphModule:
     """A copy of ``dw`` that adds its outputs at ``positions`` into tensors
     given as extra trailing placeholders (``grad_<position>``, one per
@@ -64,6 +67,14 @@ def accumulate_into(
     had the corresponding output added to it. ``matmul_into(grad, a, b)``
     must add ``a @ b`` into ``grad`` in place. Raises ``ValueError`` for a
     position that is not an output or whose output is ``None``.
+
+    ``brackets = (begins, ends)``: every write into a ``grad`` other than a
+    ``matmul_into`` call (one operator, which can record its own write) is
+    preceded by ``begins(grad)`` and followed by ``ends(grad)``, operators
+    that declare they mutate ``grad`` (so no compiler reorders them across
+    the write or drops them). A caller that records them knows, after an
+    exception, which tensors were written (both ran), which were not
+    (neither), and which it cannot know (only ``begins``).
     """
     gm = fx.GraphModule(dw, copy.deepcopy(dw.graph))
     graph = gm.graph
@@ -95,7 +106,11 @@ def accumulate_into(
                 graph.call_function(matmul_into, (grad, a, b))
             else:
                 total = graph.call_function(_aten.add.Tensor, (grad, value))
+                if brackets is not None:
+                    graph.call_function(brackets[0], (grad,))
                 graph.call_function(_aten.copy_.default, (grad, total))
+                if brackets is not None:
+                    graph.call_function(brackets[1], (grad,))
         outs[k] = None
     output.args = (tuple(outs),)
     graph.eliminate_dead_code()
