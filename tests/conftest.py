@@ -39,6 +39,13 @@ except ImportError as e:
 fxsplit.config.fallback = "error"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-n", type=int, default=None,
+        help="seeds tests/test_differential.py runs (default: FXSPLIT_FUZZ_N, else 30)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "inductor: compiles with the real Inductor (C++ on CPU); slower")
     config.addinivalue_line(
