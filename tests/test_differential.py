@@ -331,8 +331,14 @@ def _run(model: nn.Module, fn: Any, seed: int, split: bool) -> tuple[list[list[t
     return dxs, grads_after
 
 
-def _tolerances(model: Stage) -> dict[str, float]:
+def _tolerances(model: Stage, against_eager: bool) -> dict[str, float]:
+    """Tight against ordinary backward on the same compiled stage (the same
+    graphs); looser against eager autograd, where torch.compile itself rounds
+    differently (seen: 1.1e-4 on a BatchNorm weight's gradient, 0.047 after a
+    bf16 round trip, with backend="inductor" as with fxsplit)."""
     low = any(getattr(b, "dtype", None) is torch.bfloat16 for b in model.blocks)
+    if against_eager:
+        return dict(rtol=5e-2, atol=5e-2) if low else dict(rtol=1e-3, atol=2e-4)
     return dict(rtol=2e-2, atol=2e-2) if low else dict(rtol=1e-4, atol=1e-5)
 
 
@@ -364,7 +370,8 @@ def _one(seed: int, mode: str) -> None:
     _hook(model, log_split)
     _hook(ordinary, log_ordinary)
     _hook(plain, log_plain)
-    tol = _tolerances(model)
+    tol = _tolerances(model, against_eager=False)
+    tol_eager = _tolerances(model, against_eager=True)
     before: list[Any] = []
     if mode == "uncompiled":
         fn, fn_ordinary = model, ordinary
@@ -385,8 +392,8 @@ def _one(seed: int, mode: str) -> None:
     assert collections.Counter(log_split) == collections.Counter(log_ordinary), "hooks differ from ordinary backward"
     # And eager autograd, but for torch.compile's zeros where eager leaves None.
     compiled = mode != "uncompiled"
-    _compare("input grads vs eager autograd", dx, dx_p, tol, zeros_for_none=compiled)
-    _compare(".grad vs eager autograd", grads, grads_p, tol, zeros_for_none=compiled)
+    _compare("input grads vs eager autograd", dx, dx_p, tol_eager, zeros_for_none=compiled)
+    _compare(".grad vs eager autograd", grads, grads_p, tol_eager, zeros_for_none=compiled)
     if not compiled:
         assert collections.Counter(log_split) == collections.Counter(log_plain), "hooks differ from eager autograd"
     else:
