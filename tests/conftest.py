@@ -42,7 +42,7 @@ fxsplit.config.fallback = "error"
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fuzz-n", type=int, default=None,
-        help="seeds tests/test_differential.py runs (default: FXSPLIT_FUZZ_N, else 30)",
+        help="seeds tests/test_differential.py runs (default: FXSPLIT_FUZZ_N, else 20)",
     )
 
 
