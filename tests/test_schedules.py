@@ -73,6 +73,35 @@ def test_lowered_order_by_hand() -> None:
     assert sim.peak_bytes == (20, 10)
 
 
+_HAS_WAIT_SEND = hasattr(ti._pipelining_schedules()._ComputationType, "WAIT_SEND_F")
+needs_wait_send = pytest.mark.skipif(
+    not _HAS_WAIT_SEND, reason=f"torch {ti.torch.__version__} has no WAIT_SEND_F/WAIT_SEND_B actions (2.15 has them)")
+
+
+@needs_wait_send
+def test_wait_send_holds_the_sender_until_its_transfer_arrives() -> None:
+    """LOWERED with the waits torch 2.15's lowering adds. Rank 0: F0 [0,1], F1 [1,2]; WAIT_SEND_F0
+    ends at max(1, 0) + 0.5 = 1.5 (no hold); WAIT_SEND_F1 waits for rank 1's RECV_F1 (posted at 4.5,
+    after W0) -> 5; RECV_B0 posted at 5, so I0 waits for max(3.5, 5) + 0.5 = 5.5: I0 [5.5,6.5],
+    W0 [6.5,7.5], RECV_B1 at 7.5. Rank 1: F0 [1.5,2.5], I0 [2.5,3.5], W0 [3.5,4.5], RECV_F1 at 4.5,
+    WAIT_SEND_B0 -> 5.5, F1 (input there at 5) [5.5,6.5], I1 [6.5,7.5], W1 [7.5,8.5]; its
+    WAIT_SEND_B1 ends at 8, no hold. Rank 0: I1 at max(7.5, 7.5) + 0.5 = 8 -> [8,9], W1 [9,10].
+    Step 10 (9.5 without the waits)."""
+    order = _order({
+        0: "0F0 0SEND_F0 0F1 0SEND_F1 0WAIT_SEND_F0 0WAIT_SEND_F1 0RECV_B0 0I0 0W0 0RECV_B1 0I1 0W1",
+        1: "1RECV_F0 1F0 1I0 1SEND_B0 1W0 1RECV_F1 1WAIT_SEND_B0 1F1 1I1 1SEND_B1 1W1 1WAIT_SEND_B1",
+    })
+    sim = simulate(order, ZB_COSTS)
+    assert sim.lowered and sim.step_time == 10.0 and sim.busy == (6.0, 6.0)
+    ends = {f"{a.stage}{a.kind}{a.microbatch}": a.end for a in sim.timeline}
+    assert ends["0I0"] == 6.5 and ends["1F1"] == 6.5 and ends["0I1"] == 9.0
+    # Rank 1 waiting for its B0 send before posting RECV_F1, which rank 0's wait for F1 needs
+    # before it posts RECV_B0: neither send can complete.
+    order[1] = "1RECV_F0 1F0 1I0 1SEND_B0 1WAIT_SEND_B0 1W0 1RECV_F1 1F1 1I1 1SEND_B1 1W1 1WAIT_SEND_B1".split()
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 waits at 0WAIT_SEND_F1; rank 1 waits at 1WAIT_SEND_B0"):
+        simulate(order, ZB_COSTS)
+
+
 def test_compute_only_order_takes_receives_as_posted_in_time() -> None:
     """The same order without its sends and receives: rank 1's F1 input is there at 2 + 0.5, so F1
     runs as soon as W0 ends: [4.5,5.5], I1 [5.5,6.5], W1 [6.5,7.5]; rank 0: I1 at 7 -> W1 ends at 9."""

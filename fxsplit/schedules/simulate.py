@@ -14,7 +14,9 @@ The model, which is what ``_PipelineScheduleRuntime`` does on each rank:
   boundary (:class:`~fxsplit.schedules.costs.StageCosts`). In a lowered order
   the transfer starts when both the ``SEND`` and the matching ``RECV`` are
   posted (gloo and NCCL match a send with a posted receive); in a compute-only
-  order the receive is taken as posted in time;
+  order the receive is taken as posted in time; ``WAIT_SEND_F``/``WAIT_SEND_B``
+  (torch 2.15's lowering adds them, 2.13's does not) hold the sending rank
+  until its transfer has arrived; ``WAIT_REDUCE_GRAD`` takes no time;
 * memory: ``F`` holds the stage's ``activation_bytes`` from its start, ``I``
   trades them for ``live_in_bytes`` when it ends, ``W`` frees those when it
   ends, and a ``B`` frees the activations when it ends.
@@ -36,7 +38,8 @@ __all__ = ["ScheduleError", "Simulation", "TimedAction", "simulate"]
 
 _COMPUTE = ("F", "I", "W", "B")
 _COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_FREE = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_WAITS = ("WAIT_SEND_F", "WAIT_SEND_B")  # the sender waits for its transfer (torch 2.15 lowers them)
+_FREE = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "WAIT_REDUCE_GRAD")
 
 
 class ScheduleError(ValueError):
@@ -95,11 +98,11 @@ def _flatten(order: Mapping[int, Sequence[Any]]) -> tuple[dict[int, list[Op]], b
             for stage, kind, mb in primitive_actions(a):
                 if kind in _FREE:
                     continue
-                if kind not in _COMPUTE + _COMMS:
+                if kind not in _COMPUTE + _COMMS + _WAITS:
                     raise ScheduleError(f"rank {r}: action {a} ({kind}) is not one the simulator knows")
                 if mb is None:
                     raise ScheduleError(f"rank {r}: action {a} has no microbatch")
-                lowered |= kind in _COMMS
+                lowered |= kind in _COMMS + _WAITS
                 ops[r].append((kind, stage, mb))
     return ops, lowered
 
@@ -167,20 +170,24 @@ def simulate(order: Mapping[int, Sequence[Any]], costs: PipelineCosts) -> Simula
     ptr = dict.fromkeys(ranks, 0)
     timeline: list[TimedAction] = []
 
+    def transferred(direction: str, consumer: int, producer: int, mb: int) -> float | None:
+        """When a lowered order's transfer of ``producer``'s output (F) or gradient (B)
+        to ``consumer`` has arrived: both sides posted, then the hop."""
+        sent = posted.get((f"SEND_{direction}", producer, mb))
+        received = posted.get((f"RECV_{direction}", consumer, mb))
+        if sent is None or received is None:
+            return None
+        return max(sent, received) + costs[min(producer, consumer)].comm
+
     def arrival(direction: str, consumer: int, producer: int, mb: int, r: int) -> float | None:
         """When stage ``producer``'s output (F) or gradient (B) for ``consumer`` is on rank ``r``."""
         produced_key = ("F", producer, mb) if direction == "F" else ("I", producer, mb)
         if placement[producer] == r:
             return end.get(produced_key)
-        hop = costs[min(producer, consumer)].comm
         if not lowered:
             t = end.get(produced_key)
-            return None if t is None else t + hop
-        sent = posted.get((f"SEND_{direction}", producer, mb))
-        received = posted.get((f"RECV_{direction}", consumer, mb))
-        if sent is None or received is None:
-            return None
-        return max(sent, received) + hop
+            return None if t is None else t + costs[min(producer, consumer)].comm
+        return transferred(direction, consumer, producer, mb)
 
     def ready_at(kind: str, stage: int, mb: int, r: int) -> float | None:
         if kind == "F":
@@ -199,6 +206,10 @@ def simulate(order: Mapping[int, Sequence[Any]], costs: PipelineCosts) -> Simula
             return end.get(("F", stage, mb))
         if kind == "SEND_B":
             return end.get(("I", stage, mb))
+        if kind == "WAIT_SEND_F":
+            return transferred("F", stage + 1, stage, mb)
+        if kind == "WAIT_SEND_B":
+            return transferred("B", stage - 1, stage, mb)
         return 0.0  # RECV_*: posting a receive waits for nothing
 
     progress = True
@@ -213,8 +224,9 @@ def simulate(order: Mapping[int, Sequence[Any]], costs: PipelineCosts) -> Simula
                     break
                 start = max(clock[r], ready)
                 c = costs[stage]
-                if kind in _COMMS:
-                    posted[(kind, stage, mb)] = start
+                if kind in _COMMS + _WAITS:
+                    if kind in _COMMS:
+                        posted[(kind, stage, mb)] = start
                     clock[r] = start
                 else:
                     if kind == "F":
