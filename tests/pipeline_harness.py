@@ -203,6 +203,9 @@ class RegionRuns:
 class MatmulFlops:
     """Counts matmul/attention FLOPs of every op dispatched while active (torch's FLOP formulas).
 
+    ``total``: every op torch has a formula for; ``attention``: the part from
+    ``scaled_dot_product`` ops, which depends on the torch version (2.15's
+    registry counts the CPU flash-attention backward, 2.13's does not).
     A plain dispatch mode: ``FlopCounterMode`` also tracks modules with
     multi-grad hooks, which cannot run inside ``torch.autograd.grad``.
     """
@@ -219,10 +222,13 @@ class MatmulFlops:
                 out = func(*args, **kwargs)
                 formula = flop_registry.get(func._overloadpacket)
                 if formula is not None:
-                    counter.total += int(formula(*args, **kwargs, out_val=out))
+                    n = int(formula(*args, **kwargs, out_val=out))
+                    counter.total += n
+                    if "scaled_dot_product" in func._overloadpacket.__name__:
+                        counter.attention += n
                 return out
 
-        self.total = 0
+        self.total = self.attention = 0
         self._mode = _Mode()
 
     def __enter__(self) -> MatmulFlops:
@@ -248,7 +254,7 @@ def make_recording_stage_class() -> type:
             with MatmulFlops() as counter:
                 fn()
             rec = runs.delta()
-            rec.update(stage=self.stage_index, kind=kind, mb=mb, flops=counter.total)
+            rec.update(stage=self.stage_index, kind=kind, mb=mb, flops=counter.total, attention_flops=counter.attention)
             self.actions.append(rec)
 
         def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
