@@ -11,7 +11,8 @@ between releases handled here are feature-detected:
 :func:`function_nodes_outlive_their_graph` (torch 2.11),
 :func:`_fsdp_state_param_groups` (torch 2.11),
 :func:`fsdp_has_manual_backward_finalization` (torch 2.15),
-:func:`keep_saved_through_detach` (``SavedTensor.data``/``unpack_hook``).
+:func:`keep_saved_through_detach` (``SavedTensor.data``/``unpack_hook``/``unpack``: not on torch 2.11),
+:func:`subclass_regions_supported` (DTensor regions: not on torch 2.11).
 """
 
 from __future__ import annotations
@@ -247,6 +248,18 @@ class SubclassGradients:
         if any(v is None for v in flat[start:start + count]):
             return None
         return meta.creation_fn(flat, is_runtime=True)
+
+
+def subclass_regions_supported() -> bool:
+    """Whether this torch can run split regions with tensor-subclass (DTensor)
+    gradients: AOTAutograd's ``CompiledFunction`` must read its backward epilogue
+    from the class (``_bw_epilogue_fn``, built by
+    ``runtime_wrappers._codegen_backward_epilogue``: torch 2.13 and 2.15 have it,
+    2.11 does not), so that :func:`let_backward_leave_subclass_gradients_out`
+    can replace it for one region."""
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    return hasattr(runtime_wrappers, "_codegen_backward_epilogue")
 
 
 def let_backward_leave_subclass_gradients_out(node: Any) -> None:
@@ -748,6 +761,13 @@ def _unpack_alias(packed: _DetachedAlias) -> torch.Tensor:
     return t
 
 
+def can_keep_saved_through_detach() -> bool:
+    """Whether this torch's ``SavedTensor`` has what :func:`keep_saved_through_detach`
+    needs (``data``, ``unpack_hook``, ``unpack``: torch 2.13 and 2.15; 2.11 lacks ``unpack``)."""
+    saved_tensor_type = torch._C._autograd.SavedTensor
+    return all(hasattr(saved_tensor_type, a) for a in ("data", "unpack_hook", "unpack"))
+
+
 def keep_saved_through_detach(nodes: Sequence[Any], t: torch.Tensor) -> bool:
     """Make the references ``nodes`` saved to ``t`` itself survive ``t.detach_()``;
     ``False`` if that cannot be ensured (then ``t`` must stay attached).
@@ -766,15 +786,16 @@ def keep_saved_through_detach(nodes: Sequence[Any], t: torch.Tensor) -> bool:
     Relies on ``SavedTensor.data`` (the saved object: the tensor itself when
     saved without hooks) and ``SavedTensor.unpack_hook`` (``None`` without
     hooks), to find ``t`` without unpacking anything, and on
-    ``SavedTensor.unpack`` (where present) to run autograd's version check
-    before re-packing. Saved tensors that carry hooks already (e.g.
-    checkpointing) hold their ``grad_fn`` and are left alone. ``False`` when
-    this torch lacks these attributes, or ``t`` was modified in place after
-    a node saved it (left attached, autograd's own error is raised where the
-    node runs, as in ordinary backward).
+    ``SavedTensor.unpack`` to run autograd's version check before re-packing
+    (torch 2.11 has no ``unpack``: re-packed unchecked, a tensor modified in
+    place after it was saved would pass W's check and give a wrong gradient,
+    so ``t`` stays attached there). Saved tensors that carry hooks already
+    (e.g. checkpointing) hold their ``grad_fn`` and are left alone. ``False``
+    when this torch lacks these attributes, or ``t`` was modified in place
+    after a node saved it (left attached, autograd's own error is raised where
+    the node runs, as in ordinary backward).
     """
-    saved_tensor_type = torch._C._autograd.SavedTensor
-    if not (hasattr(saved_tensor_type, "data") and hasattr(saved_tensor_type, "unpack_hook")):
+    if not can_keep_saved_through_detach():
         return False
     for node in nodes:
         for name in _raw_saved_names(node):
@@ -788,8 +809,7 @@ def keep_saved_through_detach(nodes: Sequence[Any], t: torch.Tensor) -> bool:
                 try:
                     if item.unpack_hook is not None or item.data is not t:
                         continue
-                    if hasattr(item, "unpack"):
-                        item.unpack()  # autograd's version check
+                    item.unpack()  # autograd's version check
                 except RuntimeError:
                     return False
                 item.register_hooks(_DetachedAlias, _unpack_alias)

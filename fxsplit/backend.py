@@ -451,6 +451,11 @@ def _compile_split_backward(
     name = build.name
     build.graph = "split"
     layout = _gradient_layout(bw, is_tensor)
+    if layout.subclass_inputs and not ti.subclass_regions_supported():
+        raise FxsplitCompileError(
+            f"fxsplit: the region has tensor-subclass (DTensor) inputs, which split regions support from "
+            f"torch 2.13 (AOTAutograd's per-class backward epilogue); this is torch {torch.__version__}"
+        )
     split = split_backward(bw, layout.weight_outputs(is_param), rule=trace_split_rule, defer=opts.resolved_defer())
     _check_no_weight_matmul_in_di(split)
     ti.declare_no_donated_buffers()

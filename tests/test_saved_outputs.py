@@ -18,6 +18,7 @@ import torch.nn as nn
 from stage_check import assert_grads_equal, clone_input, flat_pairs, grads_like, reference
 
 import fxsplit
+from fxsplit import _torch_internals
 
 
 class Body(nn.Module):
@@ -112,7 +113,10 @@ def test_output_saved_by_eager_weight_code(mode: str, first_stage: bool) -> None
     params = list(stage.parameters())
     dinputs, work = fxsplit.stage_backward_input(out, grads_like(out), [xi], params)
     assert all(p.grad is None for p in params), "B did weight-gradient work"
-    assert out["h"].grad_fn is None, "B left the output attached: its graph is not freed"
+    if _torch_internals.can_keep_saved_through_detach():
+        assert out["h"].grad_fn is None, "B left the output attached: its graph is not freed"
+    else:  # torch 2.11: the saved reference cannot be version-checked when re-packed
+        assert out["h"].grad_fn is not None, "B detached an output W's nodes saved"
     if mode in ("whole_disable", "mixed", "inductor"):
         assert work.compiled, "the compiled body did not split"
         assert len([r for r in fxsplit.compiled_regions() if not any(r is b for b in before)]) >= 1
