@@ -115,11 +115,6 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     if microbatches < 2 * ranks or microbatches % ranks:
         parser.error(f"--microbatches {microbatches}: needs at least {2 * ranks} (ScheduleDualPipeV: as many as the "
                      f"{2 * ranks} stages) and a multiple of --ranks {ranks} (the interleaved schedules' rounds)")
-    from torch.torch_version import TorchVersion
-
-    if device.type == "cpu" and TorchVersion(torch.__version__) < (2, 12):
-        parser.error(f"torch {torch.__version__}: upstream's V-shaped schedules fail with gloo in _initialize_stages "
-                     "('Pair is not connected'); --pipeline needs torch 2.12 or later on CPU")
     sizes = dict(QUICK_SIZES if args.quick else PIPELINE_SIZES)
     for k in ("batch", "seq", "layers", "dim"):
         if getattr(args, k) is not None:
@@ -146,6 +141,12 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             previous = None
         if isinstance(previous, dict) and previous.get("settings", {}).get("quick") is False:
             parser.error(f"--out {out} holds the results of a full run; --quick will not overwrite them")
+    from torch.torch_version import TorchVersion
+
+    # last, so that every option is checked on every torch
+    if device.type == "cpu" and TorchVersion(torch.__version__) < (2, 12):
+        parser.error(f"torch {torch.__version__}: upstream's V-shaped schedules fail with gloo in _initialize_stages "
+                     "('Pair is not connected'); --pipeline on CPU needs a newer torch (2.13 to 2.15 run it)")
     settings = PipelineSettings(
         model=cfg.as_dict(), device=device.type, dtype=dtype, ranks=ranks, microbatches=microbatches,
         warmup=args.warmup or (1 if args.quick else 2), reps=args.reps or (3 if args.quick else 30),
