@@ -38,8 +38,8 @@ fxsplit_backend = importlib.import_module("fxsplit.backend")
 # compile (tested below on every torch); the tests that run such regions need 2.13 or later.
 needs_subclass_regions = pytest.mark.skipif(
     not _torch_internals.subclass_regions_supported(),
-    reason=f"torch {torch.__version__}: split regions with DTensor inputs need torch 2.13 "
-           "(test_dtensor_regions_need_torch_2_13_* check the refusal)")
+    reason=f"torch {torch.__version__}: split regions with DTensor inputs need torch 2.13 (the refusal: "
+           "test_dtensor_regions_need_torch_2_13_error, test_refused_region_falls_back_with_one_warning)")
 
 LayerCase = th.LayerCase
 CASES = [
