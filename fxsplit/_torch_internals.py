@@ -1066,6 +1066,17 @@ def action_parts(action: Any) -> tuple[int, str, int | None, tuple[Any, ...] | N
     return action.stage_index, str(getattr(kind, "value", kind)), action.microbatch_index, action.sub_actions
 
 
+def v_schedules_fail_with_gloo() -> bool:
+    """Whether upstream's V-shaped schedules (``ScheduleZBVZeroBubble``,
+    ``ScheduleDualPipeV``) fail with gloo on this torch: on 2.11 they fail in
+    ``_initialize_stages`` before any backward ("Pair is not connected"), with
+    upstream's own ``PipelineStage`` too; 2.13 and 2.15 run them, 2.12 was not
+    tried. A version check: a probe would need a two-process world of its own."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) < (2, 12)
+
+
 def parse_action(text: str) -> Any:
     """``_Action.from_str``: ``"2F0"``, ``"1SEND_B3"``, ``"(0F3;3B1)OVERLAP_F_B"``; ``None`` for ``""``."""
     return _pipelining_schedules()._Action.from_str(text)

@@ -141,10 +141,10 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             previous = None
         if isinstance(previous, dict) and previous.get("settings", {}).get("quick") is False:
             parser.error(f"--out {out} holds the results of a full run; --quick will not overwrite them")
-    from torch.torch_version import TorchVersion
+    from fxsplit import _torch_internals
 
     # last, so that every option is checked on every torch
-    if device.type == "cpu" and TorchVersion(torch.__version__) < (2, 12):
+    if device.type == "cpu" and _torch_internals.v_schedules_fail_with_gloo():
         parser.error(f"torch {torch.__version__}: upstream's V-shaped schedules fail with gloo in _initialize_stages "
                      "('Pair is not connected'); --pipeline on CPU needs a newer torch (2.13 to 2.15 run it)")
     settings = PipelineSettings(

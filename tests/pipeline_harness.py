@@ -65,10 +65,12 @@ def upstream_schedule_failure(schedule: str) -> str | None:
     torch 2.11: the V-shaped schedules (two stages per rank, the first and the
     last) fail in ``_initialize_stages`` before any backward, with upstream's own
     ``PipelineStage`` too: the shape-inference p2p batch ends in gloo's "Pair is
-    not connected". torch 2.13 runs them; 2.12 was not tried. A version check:
-    a probe would need a two-process world of its own.
+    not connected" (``fxsplit._torch_internals.v_schedules_fail_with_gloo``, which
+    ``fxsplit bench --pipeline`` asks too).
     """
-    if schedule in V_SCHEDULES and torch.torch_version.TorchVersion(torch.__version__) < (2, 12):
+    from fxsplit import _torch_internals
+
+    if schedule in V_SCHEDULES and _torch_internals.v_schedules_fail_with_gloo():
         return (f"torch {torch.__version__}: upstream {schedule} fails in _initialize_stages with gloo "
                 "('Pair is not connected'), also with torch's own PipelineStage; torch 2.13 to 2.15 run it")
     return None
