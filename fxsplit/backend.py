@@ -405,6 +405,24 @@ class _RegionGraphs:
             self._dw_examples, self._dw_static = examples, static
         return self._dw_examples, self._dw_static
 
+    def di_boundary(self) -> tuple[list[Any], list[str], list[bool]]:
+        """What the consumers of the compiled dI graph's outputs were compiled
+        for, position by position (:class:`fxsplit.layouts.BoundaryGuard`):
+        autograd takes the input gradients (their shape and dtype matter), the
+        dW graph the live-ins, as :meth:`_dw_inputs` laid them out (strides too)."""
+        split = self._split
+        outs = self._bw.graph.output_node().args[0]
+        expected: list[Any] = [
+            outs[i].meta.get("val") if isinstance(outs[i], fx.Node) else None for i in split.di_outputs
+        ]
+        names = [f"the gradient of input {i}" for i in split.di_outputs]
+        strides = [False] * len(expected)
+        examples, _ = self._dw_inputs()
+        expected += examples
+        names += [f"live-in {live.name}" for live in split.live_ins]
+        strides += [True] * len(examples)
+        return expected, names, strides
+
     def _compile_dw(self) -> ti.BoxedCallable:
         examples, static = self._dw_inputs()
         dw_gm = self._split.dw_graph

@@ -39,6 +39,7 @@ import torch
 
 from fxsplit import _torch_internals as ti
 from fxsplit.gradient_layout import GradientLayout, WeightGradient
+from fxsplit.layouts import BoundaryGuard
 from fxsplit.passes import SplitResult
 
 log = logging.getLogger("fxsplit")
@@ -267,11 +268,15 @@ class RegionGraphs(Protocol):
     returns the dW graph that accumulates its outputs at ``positions`` into
     tensors laid out as ``grads``, or ``None`` where it cannot be built.
     ``compile_seconds`` records the time each compile took.
+    ``di_boundary()`` says what the consumers of dI's outputs were compiled
+    for (:class:`fxsplit.layouts.BoundaryGuard`; after dW is compiled).
     """
 
     compile_seconds: dict[str, float]
 
     def compile(self, kind: str) -> ti.BoxedCallable: ...
+
+    def di_boundary(self) -> tuple[list[Any], list[str], list[bool]]: ...
 
     def compile_accumulating(
         self, positions: tuple[int, ...], grads: Sequence[torch.Tensor]
@@ -326,6 +331,9 @@ class CompiledSplitBackward:
         self.graph_ns = {"fused": 0, "dI": 0, "dW": 0}
         self._lock = threading.Lock()
         self._compiled: dict[Any, ti.BoxedCallable | None] = {}
+        # Conforms what compiled dI returns to what autograd and dW expect
+        # (built with dW, whose input layouts it checks).
+        self._boundary: BoundaryGuard | None = None
         # Callables that tools and tests put in place of a graph (see _run_di).
         self._replaced: dict[str, ti.BoxedCallable] = {}
         out_vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
@@ -487,10 +495,22 @@ class CompiledSplitBackward:
         if timings is not None:
             timings[key] = timings.get(key, 0) + ns
 
+    @property
+    def boundary(self) -> BoundaryGuard:
+        """The check between the dI graph and its consumers; ``boundary.adapted``
+        lists every output that came back in another layout and what was done."""
+        guard = self._boundary
+        if guard is None:
+            self._graph("dW")  # the live-ins are checked against what dW was compiled for
+            guard = self._boundary = BoundaryGuard(self.name, *self.graphs.di_boundary())
+        return guard
+
     def _di_and_live(self, args: list[Any], timings: dict[str, int] | None = None) -> tuple[list[Any], list[Any]]:
+        guard = self.boundary
         t0 = time.perf_counter_ns()
         outs = list(self._run_di(args))
         self._count("dI", time.perf_counter_ns() - t0, timings, "b_graph_ns")
+        guard(outs)
         n = len(self.split.di_outputs)
         self.stats["di_runs"] += 1
         return outs[:n], outs[n:]

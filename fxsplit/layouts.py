@@ -1,0 +1,241 @@
+"""Where two compiled graphs meet: what one returns is made what the next was compiled for.
+
+Inductor may return, for an output of a compiled graph, any tensor that is
+numerically the value the FX graph describes: another rank (torch 2.11's
+mix-order reduction on CUDA returns a keep-dim ``sum`` of shape ``(1, n)`` as
+``(n,)``), other strides, a storage offset, a view of a larger buffer. Code
+compiled for the FX value (the dW graph's ``assert_size_stride`` on its
+inputs, a ``view`` in an uncompiled graph) then fails or, uncompiled,
+computes on the wrong shape.
+
+:class:`BoundaryGuard` checks, on every call, each tensor that crosses from
+the dI graph (its input-gradient outputs, which autograd receives, and the
+live-ins the dW graph receives) against the layout its consumer expects, and
+conforms what differs: a view where one exists (another rank), else one copy
+into the expected layout (other strides, another dtype). The check is two
+tuple comparisons per tensor; nothing happens at W. Each conformed boundary
+is reported once per region (log, INFO) and listed in
+:attr:`BoundaryGuard.adapted`, so a layout fxsplit had to repair is never
+silent.
+
+Expected layouts come from the values the consumer was compiled for (fake
+tensors of the traced graph, with symbolic sizes where the region is
+dynamic). Static sizes are compared exactly (strides of size-1 dimensions are
+ignored, as Inductor's ``assert_size_stride`` ignores them); symbolic ones by
+what they fix: the rank, the dimensions statically of size 1, and for
+strides, density in the expected dimension order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger("fxsplit")
+
+__all__ = ["BoundaryGuard", "LayoutMismatch", "TensorLayout"]
+
+
+class LayoutMismatch(RuntimeError):
+    """A tensor crossing between two compiled graphs cannot be made what its
+    consumer was compiled for (another number of elements, another device)."""
+
+
+def _static(value: Any) -> int | None:
+    """``value`` as an int where it is one (a plain int, or a SymInt with a
+    constant expression), else ``None``."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        if getattr(expr, "is_number", False):
+            return int(expr)
+    return None
+
+
+def _hint(value: Any) -> int:
+    """An example value of a size (its hint when symbolic)."""
+    if isinstance(value, torch.SymInt):
+        hint = getattr(value.node, "hint", None)  # SymNode.hint: torch 2.11 to 2.15
+        return int(hint) if isinstance(hint, int) else 2
+    return int(value)
+
+
+class TensorLayout:
+    """The layout a consumer was compiled for, from its example ``value``.
+
+    ``size`` and ``stride`` are tuples of ints when every size and stride is
+    static (``static``); otherwise ``rank``, ``ones`` (dimensions statically
+    of size 1) and ``order`` (dimensions from the smallest stride to the
+    largest, at the example's sizes) describe it.
+    """
+
+    __slots__ = ("rank", "dtype", "device", "static", "size", "stride", "ones", "order", "strides")
+
+    def __init__(self, value: torch.Tensor, strides: bool = True) -> None:
+        # strides=False: only the shape and dtype matter to the consumer (autograd
+        # takes an input gradient of any strides).
+        self.strides = strides
+        self.rank = value.dim()
+        self.dtype = value.dtype
+        self.device = value.device
+        sizes = [_static(s) for s in value.shape]
+        strides = [_static(s) for s in value.stride()]
+        self.static = all(s is not None for s in sizes + strides)
+        self.size: tuple[int, ...] = tuple(s if s is not None else -1 for s in sizes)
+        self.stride: tuple[int, ...] = tuple(s if s is not None else -1 for s in strides)
+        self.ones = tuple(k for k, s in enumerate(sizes) if s == 1)
+        hints = [_hint(s) for s in value.stride()]
+        self.order = tuple(sorted(range(self.rank), key=lambda k: (hints[k], k)))
+
+    def matches(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is laid out as expected (the per-call check)."""
+        if t.dtype != self.dtype:
+            return False
+        if self.static:
+            if t.shape != self.size:
+                return False
+            if not self.strides:
+                return True
+            stride = t.stride()
+            return stride == self.stride or all(
+                a == b for a, b, n in zip(stride, self.stride, self.size) if n != 1
+            )
+        if t.dim() != self.rank or any(t.shape[k] != 1 for k in self.ones):
+            return False
+        return not self.strides or self._dense_in_order(t)
+
+    def _dense_in_order(self, t: torch.Tensor) -> bool:
+        expected = 1
+        for k in self.order:
+            n = t.shape[k]
+            if n != 1 and t.stride(k) != expected:
+                return False
+            expected *= n
+        return True
+
+    def _size_for(self, t: torch.Tensor) -> tuple[int, ...]:
+        """The expected size, at ``t``'s sizes where it is symbolic."""
+        if self.static:
+            return self.size
+        if t.dim() == self.rank:
+            return tuple(t.shape)
+        unknown = [k for k, n in enumerate(self.size) if n < 0]
+        known = math.prod(n for n in self.size if n >= 0)
+        if len(unknown) == 1 and known and t.numel() % known == 0:
+            # One symbolic size: the number of elements fixes it.
+            return tuple(t.numel() // known if n < 0 else n for n in self.size)
+        # Another rank: keep t's dimensions that are not 1, put 1 where the
+        # expected layout has a static 1 (a keep-dim reduction returned without it).
+        rest = [n for n in t.shape if n != 1]
+        free = self.rank - len(self.ones)
+        if len(rest) != free:
+            raise LayoutMismatch(
+                f"cannot give a tensor of shape {tuple(t.shape)} the rank {self.rank} expected "
+                f"(sizes {['?' if n < 0 else n for n in self.size]})"
+            )
+        it = iter(rest)
+        return tuple(1 if k in self.ones else next(it) for k in range(self.rank))
+
+    def _stride_for(self, size: tuple[int, ...]) -> tuple[int, ...]:
+        if self.static:
+            return self.stride
+        stride = [0] * self.rank
+        expected = 1
+        for k in self.order:
+            stride[k] = expected
+            expected *= size[k]
+        return tuple(stride)
+
+    def conform(self, t: torch.Tensor) -> tuple[torch.Tensor, str]:
+        """``t`` laid out as expected, and what was done (``"view"`` or ``"copy"``).
+
+        Raises :class:`LayoutMismatch` where ``t`` holds another number of
+        elements or lives on another device."""
+        if t.device != self.device and not (t.device.type == self.device.type == "meta"):
+            raise LayoutMismatch(f"a tensor on {t.device} where {self.device} was expected")
+        size = self._size_for(t)
+        if t.numel() != math.prod(size):
+            raise LayoutMismatch(f"a tensor of shape {tuple(t.shape)} where shape {size} was expected")
+        how = "view"
+        if t.dtype != self.dtype:
+            t = t.to(self.dtype)
+            how = "copy"
+        if tuple(t.shape) != size:
+            try:
+                t = t.view(size)
+            except RuntimeError:
+                t = t.reshape(size)
+                how = "copy"
+        if not self.matches(t):
+            out = torch.empty_strided(size, self._stride_for(size), dtype=self.dtype, device=t.device)
+            out.copy_(t)
+            t = out
+            how = "copy"
+        return t, how
+
+    def __repr__(self) -> str:
+        if self.static:
+            return f"{self.dtype} size {self.size} stride {self.stride}"
+        sizes = ", ".join("?" if n < 0 else str(n) for n in self.size)
+        return f"{self.dtype} size ({sizes}) dense in dimension order {list(self.order)}"
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} size {tuple(t.shape)} stride {tuple(t.stride())} offset {t.storage_offset()}"
+
+
+class BoundaryGuard:
+    """Checks and conforms the tensors one compiled graph hands another.
+
+    ``expected[i]`` is the example value (a tensor) the consumer of position
+    ``i`` of the producer's output list was compiled for, or ``None`` for a
+    position not to check; ``names[i]`` names it in reports; ``strides[i]``
+    says whether its strides matter (``False``: shape and dtype only).
+    ``region`` names the region in logs.
+    """
+
+    __slots__ = ("region", "_checks", "adapted", "_reported")
+
+    def __init__(
+        self, region: str, expected: Sequence[Any], names: Sequence[str], strides: Sequence[bool] | None = None
+    ) -> None:
+        self.region = region
+        self._checks: tuple[tuple[int, str, TensorLayout], ...] = tuple(
+            (i, names[i], TensorLayout(v, True if strides is None else strides[i]))
+            for i, v in enumerate(expected)
+            if isinstance(v, torch.Tensor)
+        )
+        # name -> what was found and what was done, for inspection (first occurrence).
+        self.adapted: dict[str, str] = {}
+        self._reported: set[str] = set()
+
+    def __call__(self, values: list[Any]) -> list[Any]:
+        """Conform ``values`` in place (and return them)."""
+        for i, name, layout in self._checks:
+            t = values[i]
+            if isinstance(t, torch.Tensor) and not layout.matches(t):
+                values[i] = self._conform(name, layout, t)
+        return values
+
+    def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor) -> torch.Tensor:
+        try:
+            out, how = layout.conform(t)
+        except LayoutMismatch as e:
+            raise LayoutMismatch(
+                f"fxsplit: {self.region}: {name} came back from the compiled dI graph as {_describe(t)}, "
+                f"and the graph it goes to was compiled for {layout}: {e}"
+            ) from None
+        if name not in self._reported:
+            self._reported.add(name)
+            self.adapted[name] = f"{_describe(t)} -> {_describe(out)} ({how})"
+            log.info(
+                "fxsplit: %s: %s came back from the compiled dI graph as %s, not as %s; conformed by a %s "
+                "on every call (a view costs nothing; see docs/troubleshooting.md)",
+                self.region, name, _describe(t), layout, how,
+            )
+        return out

@@ -1,0 +1,256 @@
+"""Layouts where two compiled graphs meet (issue 26): whatever the compiled dI
+graph returns for a live-in or an input gradient (another rank, other strides,
+a storage offset, a view of a larger buffer), W gives ordinary backward's
+gradients.
+
+The compiled dI is wrapped so that its outputs come back laid out otherwise
+than the FX graph says, as Inductor's GPU-only mix-order reduction returns a
+keep-dim ``sum`` of shape ``(1, n)`` as ``(n,)`` on torch 2.11. Then B then W
+runs against ordinary backward on an identical copy (compiled and uncompiled).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from fxsplit.layouts import BoundaryGuard, LayoutMismatch, TensorLayout
+from stage_check import new_regions
+
+
+class NormMLP(nn.Module):
+    """x + fc2(gelu(fc1(ln(x)))): its dI graph computes the LayerNorm weight and
+    bias gradients and the Linear bias gradients (reductions over tokens), and
+    hands them, with the activations the weight matmuls need, to dW."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+def _other_rank(t: torch.Tensor) -> torch.Tensor:
+    """The same values with another rank: size-1 dimensions dropped (a keep-dim
+    reduction returned without them), else a leading 1 added."""
+    squeezed = t.squeeze()
+    return squeezed if squeezed.dim() != t.dim() else t.unsqueeze(0)
+
+
+def _other_strides(t: torch.Tensor) -> torch.Tensor:
+    """The same values laid out column-major (or, for 1-D, every second element of a buffer)."""
+    if t.dim() >= 2:
+        return t.mT.contiguous().mT
+    buf = torch.empty(2 * t.numel(), dtype=t.dtype, device=t.device)
+    view = buf[::2]
+    view.copy_(t)
+    return view
+
+
+def _offset_view(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a view of a larger buffer, at a storage offset."""
+    buf = torch.empty(t.numel() + 7, dtype=t.dtype, device=t.device)
+    view = buf[7:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _flattened(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.dim() != 1 else t.unsqueeze(-1)
+
+
+DISTORTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "rank": _other_rank,
+    "strides": _other_strides,
+    "offset": _offset_view,
+    "flattened": _flattened,
+}
+
+
+def _distort_di(region: Any, distort: Callable[[torch.Tensor], torch.Tensor], outputs_too: bool) -> list[int]:
+    """Wrap ``region``'s compiled dI so that every tensor it computes for dW (and,
+    with ``outputs_too``, every input gradient) comes back distorted. Returns
+    the positions distorted."""
+    region.prepare_split()
+    real = region._run_di
+    split = region.split
+    n = len(split.di_outputs)
+    positions = [n + k for k, live in enumerate(split.live_ins) if live.source == "dI" and live.kind == "tensor"]
+    if outputs_too:
+        positions = list(range(n)) + positions
+
+    def distorted(args: list[Any]) -> list[Any]:
+        outs = list(real(args))
+        for i in positions:
+            if isinstance(outs[i], torch.Tensor):
+                outs[i] = distort(outs[i])
+        return outs
+
+    region._run_di = distorted
+    return positions
+
+
+def _run_split(module: nn.Module, compiled: Any, xs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[Any]:
+    params = list(module.parameters())
+    pending = []
+    dxs = []
+    for x, g in zip(xs, grads):
+        out = compiled(x)
+        (dx,), work = fxsplit.stage_backward_input([out], [g], [x], params)
+        dxs.append(dx)
+        pending.append(work)
+    for work in reversed(pending):  # B0 B1 W1 W0, as a zero-bubble schedule runs them
+        fxsplit.stage_backward_weight(params, work)
+    return dxs
+
+
+def _run_ordinary(module: Callable[..., Any], xs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[Any]:
+    dxs = []
+    for x, g in zip(xs, grads):
+        out = module(x)
+        dxs.append(torch.autograd.grad([out], [x], [g], retain_graph=True)[0])
+        torch.autograd.backward([out], [g])
+    return dxs
+
+
+COMPILERS = [pytest.param("eager", id="eager"), pytest.param("inductor", id="inductor", marks=pytest.mark.inductor)]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("how", sorted(DISTORTIONS))
+def test_distorted_live_ins_give_ordinary_gradients(compiler: str, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    base = NormMLP()
+    mod, ref, ref_compiled = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    backend = fxsplit.backend(compiler=compiler)
+    compiled = torch.compile(mod, backend=backend)
+    ordinary_compiled = torch.compile(ref_compiled, backend=backend)
+    xs = [torch.randn(2, 5, 16, requires_grad=True) for _ in range(2)]
+    grads = [torch.randn(2, 5, 16) for _ in range(2)]
+    before = fxsplit.compiled_regions()
+    compiled(xs[0].detach().requires_grad_())  # compile
+    (region,) = new_regions(before)
+    positions = _distort_di(region, DISTORTIONS[how], outputs_too=how in ("rank", "flattened"))
+    assert positions, "the stage must hand dW tensors computed in dI"
+
+    with caplog.at_level(logging.INFO, logger="fxsplit"):
+        dxs = _run_split(mod, compiled, [x.detach().requires_grad_() for x in xs], grads)
+    ordinary = _run_ordinary(ordinary_compiled, [x.detach().requires_grad_() for x in xs], grads)
+    eager = _run_ordinary(ref, [x.detach().requires_grad_() for x in xs], grads)
+
+    for got, want, plain in zip(dxs, ordinary, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, plain)
+    for (name, p), q, r in zip(mod.named_parameters(), ref_compiled.parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        assert p.grad.shape == p.shape and p.grad.stride() == q.grad.stride(), name
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"{name} vs ordinary compiled backward")
+        torch.testing.assert_close(p.grad, r.grad, msg=f"{name} vs eager autograd")
+
+    # Never silent: every repaired boundary is listed, and said once. A view of a
+    # larger buffer at an offset, with the expected sizes and strides, needs no
+    # repair: compiled code reads it where it is.
+    if how == "offset":
+        assert not region.boundary.adapted
+    else:
+        assert region.boundary.adapted, "no boundary was reported as conformed"
+    said = [r for r in caplog.records if "came back from the compiled dI graph" in r.getMessage()]
+    assert len(said) == len(region.boundary.adapted), [r.getMessage() for r in said]
+
+
+def test_rank_is_conformed_by_a_view_not_a_copy() -> None:
+    """A keep-dim reduction returned without its size-1 dimension gets it back as a
+    view of the same memory (what torch 2.11's mix-order reduction needs)."""
+    value = torch.empty(1, 8)
+    layout = TensorLayout(value)
+    got = torch.arange(8.0)
+    out, how = layout.conform(got)
+    assert how == "view" and out.shape == (1, 8) and out.data_ptr() == got.data_ptr()
+    transposed = torch.arange(12.0).view(3, 4).mT.contiguous().mT  # column-major 3x4
+    out, how = TensorLayout(torch.empty(3, 4)).conform(transposed)
+    assert how == "copy" and out.stride() == (4, 1)
+    torch.testing.assert_close(out, transposed, rtol=0, atol=0)
+
+
+def test_strides_of_size_one_dimensions_are_ignored() -> None:
+    layout = TensorLayout(torch.empty(1, 8))
+    assert layout.matches(torch.empty(8, 1).mT)  # (1, 8) with stride (1, 1)
+    assert not layout.matches(torch.empty(8))
+
+
+def test_symbolic_layouts_fix_rank_and_order() -> None:
+    """With symbolic sizes the expected layout is its rank, its static size-1
+    dimensions and its dimension order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
+    fake = mode.from_tensor(torch.empty(5, 1, 4), symbolic_context=ctx)
+    layout = TensorLayout(fake)
+    assert not layout.static and layout.rank == 3 and layout.ones == (1,)
+    got = torch.arange(28.0).view(7, 4)  # the size-1 dimension dropped, another batch size
+    assert not layout.matches(got)
+    out, how = layout.conform(got)
+    assert how == "view" and out.shape == (7, 1, 4)
+    torch.testing.assert_close(out.reshape(7, 4), got, rtol=0, atol=0)
+    column_major = torch.arange(28.0).view(7, 4).mT.contiguous().mT.unsqueeze(1)
+    assert not layout.matches(column_major)
+    out, how = layout.conform(column_major)
+    assert how == "copy" and layout.matches(out)
+
+
+def test_another_number_of_elements_is_a_clear_error() -> None:
+    guard = BoundaryGuard("region9", [torch.empty(1, 8)], ["live-in sum_1"])
+    with pytest.raises(LayoutMismatch, match=r"region9: live-in sum_1 came back .* size \(9,\)"):
+        guard([torch.empty(9)])
+
+
+@pytest.mark.parametrize("how", ["rank", "strides"])
+def test_distorted_live_ins_with_symbolic_sizes(how: str) -> None:
+    """A region compiled for symbolic sequence lengths: the expected layouts are
+    symbolic, and each length is conformed at its own sizes."""
+    torch.manual_seed(0)
+    base = NormMLP()
+    mod, ref = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = torch.compile(mod, backend=fxsplit.backend(compiler="eager"), dynamic=True)
+    before = fxsplit.compiled_regions()
+    compiled(torch.randn(2, 5, 16, requires_grad=True))
+    (region,) = new_regions(before)
+    assert region.graphs.dynamic
+    _distort_di(region, DISTORTIONS[how], outputs_too=how != "strides")
+    xs = [torch.randn(2, t, 16, requires_grad=True) for t in (5, 9, 3)]
+    grads = [torch.randn(2, t, 16) for t in (5, 9, 3)]
+    dxs = _run_split(mod, compiled, [x.detach().requires_grad_() for x in xs], grads)
+    eager = _run_ordinary(ref, [x.detach().requires_grad_() for x in xs], grads)
+    for got, want in zip(dxs, eager):
+        torch.testing.assert_close(got, want)
+    for p, r in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)
+    assert region.boundary.adapted
+
+
+def test_a_layout_that_cannot_be_told_is_a_clear_error() -> None:
+    """Flattened with two symbolic sizes, an input gradient's shape cannot be
+    told: B raises naming the region and the value, and no .grad is touched."""
+    mod = NormMLP()
+    compiled = torch.compile(mod, backend=fxsplit.backend(compiler="eager"), dynamic=True)
+    before = fxsplit.compiled_regions()
+    compiled(torch.randn(2, 5, 16, requires_grad=True))
+    (region,) = new_regions(before)
+    _distort_di(region, _flattened, outputs_too=True)
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    out = compiled(x)
+    with pytest.raises(RuntimeError, match=r"region\d+: the gradient of input \d+ came back from the compiled dI graph"):
+        fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], list(mod.parameters()))
+    assert x.grad is None and all(p.grad is None for p in mod.parameters())
