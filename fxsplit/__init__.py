@@ -21,12 +21,13 @@ from fxsplit.api import (
 )
 from fxsplit.backend import BackendOptions, FallbackRecord, FxsplitCompileError, backend, compiled_regions, fallbacks
 from fxsplit.pending import PendingWeightGrads
-from fxsplit.rules import register_split_rule, split_rules, unregister_split_rule
+from fxsplit.rules import KEEP_IN_DI, register_split_rule, split_rules, unregister_split_rule
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendOptions",
+    "KEEP_IN_DI",
     "FallbackRecord",
     "FxsplitCompileError",
     "MissingOutputGradError",

@@ -30,7 +30,19 @@ registered for such an op takes precedence.
 
 Rules are keyed by operator name, so a rule can be registered for an op that
 does not exist yet (or never will, when the library that defines it is not
-installed); it applies only when the op appears in a backward graph.
+installed); it applies only when the op appears in a backward graph. Higher-order
+operators are named ``"higher_order::name"`` (``torch.ops.higher_order.name``).
+
+Some ops are better left whole: :data:`KEEP_IN_DI` as the rule says so
+(``register_split_rule(op, KEEP_IN_DI)``). The op runs whole in dI, its
+weight gradients cross to W as live-ins, and nothing is logged above DEBUG
+(``describe()`` lists it as kept). fxsplit ships one such decision:
+FlexAttention's backward (``higher_order::flex_attention_backward``) computes
+the gradients of the buffers its ``score_mod`` / ``mask_mod`` read (a learned
+bias) in the kernel that computes dQ, dK and dV, from the same recomputed
+attention probabilities; computing them in W would run that backward again.
+Kept in dI, they cost B nothing but their accumulation, and no FLOP is done
+twice (docs/how-the-split-works.md).
 """
 
 from __future__ import annotations
@@ -44,9 +56,10 @@ import torch.fx as fx
 from torch.utils.flop_counter import register_flop_formula
 
 from fxsplit import _torch_internals as ti
-from fxsplit.passes.shared import op_name
+from fxsplit.passes.shared import KEEP_WHOLE, op_name
 
 __all__ = [
+    "KEEP_IN_DI",
     "SplitRule",
     "grouped_mm_backward_rule",
     "register_split_rule",
@@ -58,6 +71,9 @@ __all__ = [
 SplitRule = Callable[..., Any]
 """``rule(outputs: frozenset[int], *args, **kwargs) -> sequence`` (one entry per
 op output), or ``NotImplemented`` to decline."""
+
+KEEP_IN_DI: Any = KEEP_WHOLE
+"""The rule that keeps an op whole in dI by decision (see the module docs)."""
 
 _RULES: dict[str, SplitRule] = {}
 _LOCK = threading.Lock()
@@ -73,6 +89,8 @@ def _key(op: Any) -> str:
         return op._qualified_op_name
     if isinstance(op, torch._ops.OpOverload):
         return op_name(op)
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return f"higher_order::{op.name()}"
     raise TypeError(
         f"fxsplit: register_split_rule needs an operator (torch.ops.ns.name[.overload]) or its "
         f"name 'ns::name[.overload]', got {type(op).__name__}"
@@ -92,8 +110,8 @@ def register_split_rule(op: Any, rule: SplitRule | None = None) -> Any:
     key = _key(op)
     if rule is None:
         return lambda fn: register_split_rule(op, fn)
-    if not callable(rule):
-        raise TypeError(f"fxsplit: a split rule must be callable, got {type(rule).__name__}")
+    if not callable(rule) and rule is not KEEP_IN_DI:
+        raise TypeError(f"fxsplit: a split rule must be callable or fxsplit.KEEP_IN_DI, got {type(rule).__name__}")
     with _LOCK:
         _RULES[key] = rule
     return rule
@@ -112,6 +130,9 @@ def split_rules() -> dict[str, SplitRule]:
 
 
 def _rule_for(target: Any) -> SplitRule | None:
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        with _LOCK:
+            return _RULES.get(f"higher_order::{target.name()}")
     schema = getattr(target, "_schema", None)
     if schema is None:
         return None
@@ -134,6 +155,8 @@ def trace_split_rule(node: fx.Node, outputs: frozenset[int]) -> fx.GraphModule |
     rule = _rule_for(node.target)
     if rule is None:
         return None
+    if rule is KEEP_IN_DI:
+        return KEEP_WHOLE  # type: ignore[return-value]
     inputs = list(node.all_input_nodes)
     num_returns = len(node.target._schema.returns)
     wanted = sorted(outputs)
@@ -241,3 +264,7 @@ def grouped_mm_backward_rule(
 
 
 register_split_rule("transformers::grouped_mm_fallback_backward", grouped_mm_backward_rule)
+
+# FlexAttention (see the module docs): the score_mod / mask_mod buffers' gradients
+# come out of the kernel that computes dQ, dK and dV.
+register_split_rule("higher_order::flex_attention_backward", KEEP_IN_DI)

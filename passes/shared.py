@@ -12,7 +12,12 @@ computation of only the outputs dI needs and dW a computation of the rest:
   (:data:`OutputSubset`) that returns, for a node and a subset of its output
   indices, an FX graph computing just those outputs;
 * with neither, the node stays whole in dI (correct, but weight work in B)
-  and is reported as such in :class:`SharedNode`.
+  and is reported as such in :class:`SharedNode`;
+* a rule may also answer :data:`KEEP_WHOLE`: the node stays whole in dI *by
+  decision* (``how="kept"``), where splitting it would cost more than its
+  weight work (FlexAttention's backward computes a ``score_mod`` buffer's
+  gradient in the same kernel as dQ, dK and dV: computing it apart would run
+  the attention backward a second time).
 
 Only nodes that compute something are shared nodes. A multi-output view
 (``split``, ``chunk``, ``unbind``, ``split_with_sizes``, ``tensor_split``:
@@ -37,7 +42,19 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxsplit.passes.roles import is_view
 
-__all__ = ["OutputSubset", "SharedNode", "SplitRuleError", "find_shared_nodes", "op_name", "split_shared_node"]
+__all__ = [
+    "KEEP_WHOLE", "OutputSubset", "SharedNode", "SplitRuleError", "find_shared_nodes", "op_name", "split_shared_node",
+]
+
+
+class _KeepWhole:
+    """What a split rule answers for a node that stays whole in dI by decision."""
+
+    def __repr__(self) -> str:
+        return "KEEP_WHOLE"
+
+
+KEEP_WHOLE = _KeepWhole()
 
 OutputSubset = Callable[[fx.Node, frozenset[int]], "fx.GraphModule | None"]
 """``rule(node, outputs)``: an FX graph computing only ``outputs`` (indices into
@@ -45,7 +62,8 @@ the tuple ``node`` returns), or ``None`` when no rule applies to ``node``.
 
 The graph's placeholders are ``node.all_input_nodes`` in order; it returns a
 tuple of the requested outputs in increasing index order. Its nodes carry
-``meta["val"]`` (it was traced on the node's input values)."""
+``meta["val"]`` (it was traced on the node's input values). It may also return
+:data:`KEEP_WHOLE`: the node stays whole in dI by decision."""
 
 
 class SplitRuleError(ValueError):
@@ -57,9 +75,10 @@ class SharedNode:
     """A node of the backward graph whose outputs both dI and dW read.
 
     ``how`` says what the split did with it: ``"output_mask"`` or ``"rule"``
-    (dI computes ``di_outputs``, dW computes ``dw_outputs``), or ``"unsplit"``
+    (dI computes ``di_outputs``, dW computes ``dw_outputs``), ``"unsplit"``
     (no way to split it is known: the whole node runs in dI, so the weight
-    work behind ``dw_outputs`` runs in B and those outputs cross as live-ins).
+    work behind ``dw_outputs`` runs in B and those outputs cross as live-ins)
+    or ``"kept"`` (the same, by a rule's decision: :data:`KEEP_WHOLE`).
     """
 
     name: str
@@ -73,6 +92,11 @@ class SharedNode:
             return (
                 f"{self.name} ({self.op}): no split rule; runs whole in dI, so the work for its "
                 f"outputs {list(self.dw_outputs)} (read only by dW) runs in B"
+            )
+        if self.how == "kept":
+            return (
+                f"{self.name} ({self.op}) kept whole in dI by its rule: its outputs {list(self.dw_outputs)} "
+                "come from the kernel that computes the input gradients, and cross to dW"
             )
         return (
             f"{self.name} ({self.op}) split by {self.how}: outputs {list(self.di_outputs)} in dI, "
@@ -140,6 +164,8 @@ def split_shared_node(
     parts = None
     if rule is not None:
         di_sub = rule(node, frozenset(di_outputs))
+        if di_sub is KEEP_WHOLE:
+            return SharedNode(node.name, name, di_outputs, dw_outputs, "kept")
         dw_sub = rule(node, frozenset(dw_outputs)) if di_sub is not None else None
         if di_sub is not None and dw_sub is not None:
             parts = ((di_sub, di_outputs), (dw_sub, dw_outputs))

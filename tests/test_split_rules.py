@@ -398,3 +398,30 @@ def test_shipped_rule_puts_weight_flops_in_w(clean_rules: None) -> None:
     per_gradient = 2 * 10 * 16 * 32  # rows * in * out, the same for both matmuls of the MLP
     assert b_ops == {"fxsplit.grouped_mm_input_grad": 2 * per_gradient}
     assert w_ops == {"fxsplit.grouped_mm_weight_grad": 2 * per_gradient}
+
+
+def test_keep_in_di_is_a_decision_not_a_warning(clean_rules: None, caplog: pytest.LogCaptureFixture) -> None:
+    """An op declared KEEP_IN_DI runs whole in dI without a warning, is listed
+    as kept, and the gradients are ordinary backward's."""
+    fxsplit.register_split_rule(FUSED_BW, fxsplit.KEEP_IN_DI)
+    model = FusedLinearStage()
+    ref = copy.deepcopy(model)
+    before = fxsplit.compiled_regions()
+    with caplog.at_level(logging.DEBUG, logger="fxsplit"):
+        stage = torch.compile(model, backend=fxsplit.backend(compiler="eager"))
+        run_split(model, stage, [torch.randn(5, 6, requires_grad=True)], ref)
+    (region,) = new_regions(before)
+    split = region.split
+    assert [s.how for s in split.shared] == ["kept", "kept"]
+    assert split.weight_work_in_di == ()
+    assert "kept whole in dI by its rule" in split.describe()
+    assert not [r for r in caplog.records if r.name == "fxsplit" and r.levelno >= logging.WARNING]
+
+
+def test_flex_attention_backward_is_kept_in_di_by_default() -> None:
+    """FlexAttention's backward computes score_mod buffer gradients in the kernel
+    that computes dQ, dK, dV: fxsplit keeps it whole in dI (no warning). Its
+    backward runs on CUDA only; the CUDA tier runs real FlexAttention stages."""
+    hop = torch.ops.higher_order.flex_attention_backward
+    assert rules._rule_for(hop) is fxsplit.KEEP_IN_DI
+    assert "higher_order::flex_attention_backward" in fxsplit.split_rules()
