@@ -123,25 +123,6 @@ def test_top_level_command_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
 
 
-def test_bench_refuses_when_upstream_split_cannot_run(monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """On a torch whose upstream split fails on compiled modules (torch 2.11), the bench
-    stops with the probe's one-line reason instead of a traceback after minutes of compiling."""
-
-    class BrokenUpstream:
-        @staticmethod
-        def stage_backward_input(outputs: object, grads: object, inputs: object, weights: object) -> tuple:
-            return (None,), []
-
-        @staticmethod
-        def stage_backward_weight(weights: object, pending: object) -> None:
-            raise RuntimeError("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase.")
-
-    monkeypatch.setattr(baselines, "upstream", lambda: BrokenUpstream)
-    line = _error(["--quick", "--device", "cpu"], capsys)
-    assert "pytorch/pytorch#166577" in line and "_input_metadata" in line and torch.__version__ in line
-
-
 def test_malloc_retain_is_cpu_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -55,10 +55,17 @@ class Mode:
     context: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     compiled: str | None = None  # name of the compiled module this mode shares
     flops_module: torch.nn.Module | None = None  # runs the same graphs op by op (compiled modes)
+    # Why this mode cannot run on this torch (it is then reported "not measurable"), or None.
+    unavailable: str | None = None
 
 
-def make_modes(base: torch.nn.Module) -> list[Mode]:
+def make_modes(base: torch.nn.Module, upstream_unavailable: str | None = None) -> list[Mode]:
     """The six modes of :data:`MODE_KEYS` over copies of ``base`` (mode 1 runs ``base`` itself).
+
+    ``upstream_unavailable``: why upstream's split cannot run on a compiled
+    module with this torch (:func:`fxsplit.bench.baselines.upstream_split_failure`);
+    the ``inductor+upstream`` mode then carries it as ``unavailable`` and is
+    neither compiled nor run.
 
     Nothing is compiled yet: each compiled module compiles on its first call.
     The compiled modes share ``flops_module``, a ``compiler="eager"`` twin that
@@ -82,7 +89,8 @@ def make_modes(base: torch.nn.Module) -> list[Mode]:
         Mode("eager+upstream", "eager + upstream split", copy_of(), "upstream"),
         Mode("inductor", "inductor, ordinary backward", inductor, None, compiled="inductor", flops_module=fx_graphs),
         Mode("inductor+upstream", "inductor + upstream split (donated_buffer=False)", inductor_nodonate, "upstream",
-             context=nodonate, compiled="inductor (donated_buffer=False)", flops_module=fx_graphs),
+             context=nodonate, compiled="inductor (donated_buffer=False)", flops_module=fx_graphs,
+             unavailable=upstream_unavailable),
         Mode("fxsplit", "fxsplit, ordinary backward", fx, None, compiled="fxsplit", flops_module=fx_graphs),
         Mode("fxsplit+split", "fxsplit split (B, then W)", fx, "fxsplit", compiled="fxsplit", flops_module=fx_graphs),
     ]

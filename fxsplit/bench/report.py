@@ -84,6 +84,8 @@ def _section_lines(result: dict[str, Any]) -> list[str]:
         out.append(f"  FLOPs (compiler='eager' twins): first stage B {fl['first']['B']:,} W {fl['first']['W']:,}; "
                    f"middle stage B {fl['middle']['B']:,} W {fl['middle']['W']:,}")
         out.append(f"  fxsplit row: {mem['variants']['fxsplit']}")
+        for variant, why in (mem.get("not_measurable") or {}).items():
+            out.append(f"  {variant} rows: not measurable: {why}")
     elif mem:
         out.append(f"memory between B and W: skipped ({mem['skipped']})")
     comp = result.get("compile")
@@ -135,9 +137,14 @@ def format_table(result: dict[str, Any]) -> str:
         "held MiB: live memory kept from the end of B until W; peak MiB: highest live memory above the "
         "pre-forward level (MiB = 2**20 bytes). Compiled modes' FLOPs: counted on the graphs Inductor compiles.",
     ]
-    err = result["mode4_default_config_error"]
-    out.append("mode 4 with AOTAutograd defaults: " + (f"FAILS: {err}" if err else "did not fail")
-               + "; measured above with donated_buffer=False.")
+    missing = result.get("not_measurable") or {}
+    for k, r in enumerate(result["modes"], 1):
+        if r["key"] in missing:
+            out.append(f"mode {k} {r['key']}: not measurable: {missing[r['key']]}")
+    if "inductor+upstream" not in missing:
+        err = result["mode4_default_config_error"]
+        out.append("mode 4 with AOTAutograd defaults: " + (f"FAILS: {err}" if err else "did not fail")
+                   + "; measured above with donated_buffer=False.")
     out += _section_lines(result)
     for name, t in result["targets"].items():
         out.append(_verdict_line(name, t))

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 import fxsplit
-from fxsplit.bench import allocator
+from fxsplit.bench import allocator, baselines
 from fxsplit.bench.accumulate import ACCUMULATE_MICROBATCHES, measure_accumulation
 from fxsplit.bench.baselines import default_config_failure
 from fxsplit.bench.compile_time import measure_compile_times
@@ -83,6 +83,10 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     """Run the benchmark; returns the result dict that is written as JSON.
 
     ``settings`` are taken as valid (:func:`fxsplit.bench.settings.settings_from_args` checks them).
+    Where upstream's split cannot run on a compiled module with this torch
+    (:func:`fxsplit.bench.baselines.upstream_split_failure`), everything else
+    is measured and that baseline (mode 4, the memory section's ``upstream``
+    rows, the verdict against it) is reported "not measurable" with the reason.
     """
     progress = progress or Progress()
     wall0 = time.perf_counter()
@@ -100,27 +104,33 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     progress.say(f"{stage.description}; {n_params / 1e6:.2f} M parameters; {settings.model.as_dict()}; "
                  f"{settings.dtype} on {device_name(device)} ({device.type}); torch {torch.__version__}")
 
-    modes = make_modes(base)
+    upstream_unavailable = baselines.upstream_split_failure()
+    if upstream_unavailable is not None:
+        progress.say(f"not measurable: {upstream_unavailable}")
+    modes = make_modes(base, upstream_unavailable)
+    runnable = [m for m in modes if m.unavailable is None]
     inductor, fx_graphs = modes[2].module, modes[2].flops_module
     assert fx_graphs is not None
 
     # 1. compile (first call) and warm up
     compile_s: dict[str, float] = {}
-    n_compiled = len({m.compiled for m in modes if m.compiled is not None})
-    for mode in modes:
+    n_compiled = len({m.compiled for m in runnable if m.compiled is not None})
+    for mode in runnable:
         if mode.compiled is not None and mode.compiled not in compile_s:
             with progress.phase(f"compiling {mode.compiled} ({len(compile_s) + 1}/{n_compiled}, first forward + "
                                 "backward)"):
                 compile_s[mode.compiled] = first_step(mode, stage, grad, device, fresh=not settings.warm_cache)
-    with progress.phase("running the upstream split on the default-config inductor module"):
-        default_error = default_config_failure(inductor, stage, grad)
-    if default_error is None:
-        progress.say("note: the upstream split on the default-config inductor module did NOT fail")
+    default_error: str | None = None
+    if upstream_unavailable is None:
+        with progress.phase("running the upstream split on the default-config inductor module"):
+            default_error = default_config_failure(inductor, stage, grad)
+        if default_error is None:
+            progress.say("note: the upstream split on the default-config inductor module did NOT fail")
     with progress.phase(f"tracing the FLOP-counting twin and {settings.warmup} warm-up step(s) per mode"):
         # the FLOP-counting twin runs eagerly; its compile is not reported
         backward_phases(modes[2], fx_graphs, stage.make_input(), grad)
         step_s: dict[str, float] = {}
-        for mode in modes:
+        for mode in runnable:
             for _ in range(settings.warmup):
                 t = timed_step(mode, stage, grad, device)
             step_s[mode.key] = sum(t.values()) if settings.warmup else 0.0
@@ -131,8 +141,8 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
         for k, s in step_s.items()
     }
     rounds = max(want.values())
-    progress.say(f"timing {rounds} round(s), the six modes interleaved (each round starting one mode later): "
-                 f"{', '.join(f'{k} x{n}' for k, n in want.items())}")
+    progress.say(f"timing {rounds} round(s), the {len(runnable)} runnable modes interleaved (each round starting "
+                 f"one mode later): {', '.join(f'{k} x{n}' for k, n in want.items())}")
     samples: dict[str, dict[str, list[float]]] = {m.key: {} for m in modes}
     host: list[dict[str, int] | None] = []
     ordinary_host: list[float | None] = []
@@ -141,7 +151,7 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     for r in range(rounds):
         # Each round starts one mode later, so that no mode always follows the same one (a mode that
         # frees a lot of memory would otherwise always hand its allocator state to the same next mode).
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+        for mode in runnable[r % len(runnable):] + runnable[:r % len(runnable)]:
             if r < want[mode.key]:
                 for phase, t in timed_step(mode, stage, grad, device, host, ordinary_host,
                                             faults[mode.key]).items():
@@ -157,6 +167,9 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     t0 = time.perf_counter()
     for k, mode in enumerate(modes, 1):
         progress.count("measuring memory and counting FLOPs, modes done", k - 1, len(modes), t0)
+        if mode.unavailable is not None:
+            results.append(_not_measurable(mode))
+            continue
         s = samples[mode.key]
         timing = {ph: stats(v, mode.key, ph) for ph, v in s.items()}
         bwd = [b + w for b, w in zip(s["B"], s["W"])] if mode.split else s["backward"]
@@ -188,6 +201,8 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     progress.count("measuring memory and counting FLOPs, modes done", len(modes), len(modes), t0)
     ref = next(r for r in results if r["key"] == REFERENCE)
     for r in results:
+        if r.get("not_measurable"):
+            continue
         r["ratio_to_inductor"] = r["backward_ms"] / ref["backward_ms"]
         r["duplicated_flops_pct"] = 100.0 * (r["flops"]["backward"] - ref["flops"]["backward"]) / ref["flops"]["backward"]
     by = {r["key"]: r for r in results}
@@ -208,7 +223,8 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     else:
         with progress.phase("memory between B and W: middle, last and first stage layouts"):
             memory_section = measure_memory_layouts(base, stage.make_input, settings.model.dim, settings.model.vocab,
-                                                    device, settings.quick, say=progress.say)
+                                                    device, settings.quick, say=progress.say,
+                                                    upstream_unavailable=upstream_unavailable)
         targets.update(memory_targets(memory_section))
     with progress.phase(f"compile time per user ({settings.compile_reps} round(s); resets Dynamo)"):
         compile_section = measure_compile_times(base, stage.make_input, grad, settings.compile_reps,
@@ -236,6 +252,7 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
         "reference": REFERENCE,
         "modes": results,
         "mode4_default_config_error": default_error,
+        "not_measurable": {m.key: m.unavailable for m in modes if m.unavailable is not None},
         "host": host_times,
         "accumulate": acc_section,
         "memory": memory_section,
@@ -245,6 +262,15 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     }
     result["wall_s"] = time.perf_counter() - wall0
     return result
+
+
+def _not_measurable(mode: Any) -> dict[str, Any]:
+    """The result row of a mode this torch cannot run: every figure None, and why."""
+    none = dict.fromkeys(("forward_ms", "b_ms", "w_ms", "backward_ms", "ratio_to_inductor", "duplicated_flops_pct",
+                          "held_bytes", "held_bytes_declared", "peak_bytes", "compile_s", "flops_observed"))
+    return {"key": mode.key, "label": mode.label, "split": mode.split, "not_measurable": mode.unavailable,
+            "timing": {}, "flops": {"B": None, "W": None, "backward": None}, "compiled_module": mode.compiled,
+            **none}
 
 
 def _methods(device: torch.device) -> dict[str, str]:
