@@ -110,6 +110,53 @@ def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], **
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
+def inductor_patches(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The Inductor config ``torch.compile(backend="inductor", mode=mode, options=options)``
+    compiles under: ``list_mode_options(mode)``, then ``options``, each name
+    normalized (``-`` to ``_``) and checked against Inductor's config (names
+    and value types), as ``torch._TorchCompileInductorWrapper.apply_options``
+    checks them. Raises ``ValueError`` (unknown mode or option) or
+    ``TypeError`` (a value of the wrong type).
+    Relies on: ``torch._inductor.list_mode_options``, ``config.get_config_copy``,
+    ``config.get_type``."""
+    from typing import get_origin
+
+    from torch._inductor import config, list_mode_options
+
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        try:
+            patches.update(list_mode_options(mode))
+        except RuntimeError as e:
+            raise ValueError(f"fxsplit: {e}") from None
+    if not options:
+        return patches
+    known = config.get_config_copy()
+    for key, value in options.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"fxsplit: unknown Inductor option {key!r} (options are torch._inductor.config's names, "
+                "as for torch.compile(options=...))"
+            )
+        expected = config.get_type(name)  # type: ignore[attr-defined]
+        if get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
+            raise TypeError(
+                f"fxsplit: Inductor option {key!r} takes a {type(known[name]).__name__}, got {type(value).__name__}"
+            )
+        patches[name] = value
+    return patches
+
+
+def inductor_config_patched(patches: dict[str, Any]) -> Any:
+    """Inductor's config patched with ``patches`` for a block (nothing when empty)."""
+    if not patches:
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(patches)
+
+
 def no_cudagraphs() -> Any:
     """A ``cudagraphs`` argument for ``compile_fx_inner`` that turns them off.
     Split graphs exchange live-ins and must not be captured in CUDA graphs."""

@@ -116,7 +116,22 @@ class BackendOptions:
         eager split still applies; ``"error"``: raise
         :class:`FxsplitCompileError`. ``None`` (default): ``fxsplit.config.fallback``
         when the region compiles (``"eager"`` unless changed).
-    inductor_config: Inductor config patches (as ``torch.compile(options=...)``).
+    mode: ``torch.compile``'s ``mode`` (``"default"``, ``"reduce-overhead"``,
+        ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``), meaning what it
+        means for ``backend="inductor"``: the Inductor options
+        ``torch._inductor.list_mode_options(mode)`` names, under
+        ``inductor_config``. ``torch.compile(m, backend="fxsplit", mode=...)``
+        passes it here. CUDA graphs (``triton.cudagraphs``, which
+        ``"reduce-overhead"`` and ``"max-autotune"`` turn on) apply to the
+        forward and the fused backward as Inductor applies them, and to the
+        dI and dW graphs through fxsplit's own capture
+        (:mod:`fxsplit.cudagraphs`).
+    inductor_config: Inductor config patches (``torch.compile(options=...)``,
+        also accepted here as ``options=``): names and value types are
+        checked as ``backend="inductor"`` checks them; they apply to every
+        graph of the region (the pipeline's decompositions and partitioner
+        included). With ``compiler="eager"`` no Inductor runs: options other
+        than ``triton.cudagraphs`` have no effect there, which is said once.
     defer: what the dW graph defers. ``"matmuls"``: every weight-gradient
         matmul (and convolution, grouped matmul), while cheap weight reductions
         (bias gradients, LayerNorm/RMSNorm weight gradients) run in dI, fused
@@ -143,6 +158,7 @@ class BackendOptions:
     fused_backward: bool = True
     fallback: str | None = None
     inductor_config: dict[str, Any] | None = None
+    mode: str | None = None
     defer: str | None = None
     lazy_compile: bool | None = None
     fused_accumulation: bool | None = None
@@ -157,6 +173,25 @@ class BackendOptions:
         for name in ("lazy_compile", "fused_accumulation"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"fxsplit: {name} must be True, False or None, got {getattr(self, name)!r}")
+        if self.inductor_config is not None and not isinstance(self.inductor_config, dict):
+            raise TypeError(
+                f"fxsplit: options (inductor_config) must be a dict of Inductor options, "
+                f"got {type(self.inductor_config).__name__}"
+            )
+        self.inductor_patches()  # unknown modes and options raise here, before any compile
+
+    def inductor_patches(self) -> dict[str, Any]:
+        """The Inductor config this region compiles under: the mode's options,
+        then ``inductor_config``, with names normalized (``-`` as ``_``).
+        Raises ``ValueError`` for an unknown mode or option and ``TypeError``
+        for a value of the wrong type, as ``backend="inductor"`` would."""
+        return ti.inductor_patches(self.mode, self.inductor_config)
+
+    @property
+    def cudagraphs(self) -> bool:
+        """Whether the region's graphs replay as CUDA graphs (``triton.cudagraphs``
+        after the mode and the options), where they can."""
+        return bool(self.inductor_patches().get("triton.cudagraphs", False))
 
     def resolved_fallback(self) -> str:
         """The fallback mode in force now: this option, else ``fxsplit.config.fallback``."""
@@ -235,11 +270,13 @@ def _inner_compile_for(opts: BackendOptions) -> Callable[..., ti.BoxedCallable]:
         # hooks (e.g. FlopCounterMode's module tracker) on every backward graph.
         return lambda gm, example_inputs, **kw: ti.boxed(gm.forward)
 
+    patches = opts.inductor_patches()
+
     def inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
-        if opts.inductor_config:
+        if patches:
             from torch._inductor import config as inductor_config
 
-            with inductor_config.patch(opts.inductor_config):
+            with inductor_config.patch(patches):
                 return ti.inductor_compile_graph(gm, example_inputs, **kw)
         return ti.inductor_compile_graph(gm, example_inputs, **kw)
 
@@ -531,7 +568,7 @@ def _compile_region(
         build.graph = "aot"
         return compiled
 
-    with ti.aot_config_for_split():
+    with ti.aot_config_for_split(), ti.inductor_config_patched(opts.inductor_patches()):
         return ti.compile_fx(gm, example_inputs, inner_compile)
 
 
@@ -566,27 +603,67 @@ def _fall_back(build: _RegionBuild, e: Exception, mode: str, consequence: str = 
     log.debug("fxsplit: %s failed", build.name, exc_info=e)
 
 
-def backend(**options: Any) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
+_WARNED_EAGER_OPTIONS: set[tuple[Any, ...]] = set()
+
+
+def _with_compile_arguments(opts: BackendOptions, mode: str | None, options: dict[str, Any] | None) -> BackendOptions:
+    """``opts`` with ``torch.compile``'s ``mode=`` / ``options=`` applied
+    (``options`` over the backend's own ``inductor_config``)."""
+    if mode in (None, "default") and not options:
+        return opts
+    merged = {**(opts.inductor_config or {}), **(options or {})} if options else opts.inductor_config
+    return dataclasses.replace(opts, mode=mode if mode not in (None, "default") else opts.mode, inductor_config=merged)
+
+
+def _say_ineffective_options(opts: BackendOptions) -> None:
+    """compiler="eager" runs no Inductor: say once which options do nothing."""
+    if opts.compiler != "eager":
+        return
+    ignored = sorted(k for k in opts.inductor_patches() if k != "triton.cudagraphs")
+    key = (opts.mode, tuple(ignored))
+    if ignored and key not in _WARNED_EAGER_OPTIONS:
+        _WARNED_EAGER_OPTIONS.add(key)
+        log.warning(
+            "fxsplit: compiler='eager' runs the split graphs without Inductor: the Inductor options %s%s "
+            "have no effect", ", ".join(ignored), f" (from mode={opts.mode!r})" if opts.mode else "",
+        )
+
+
+def backend(**options: Any) -> Callable[..., Callable[..., Any]]:
     """A configured fxsplit backend: ``torch.compile(m, backend=fxsplit.backend(compiler="eager"))``.
 
-    See :class:`BackendOptions` for the options.
+    See :class:`BackendOptions` for the options; ``options=`` is accepted as
+    another name for ``inductor_config`` (as ``torch.compile`` names it). The
+    backend also takes ``torch.compile``'s ``mode=`` and ``options=`` when
+    Dynamo passes them (``torch.compile(m, backend="fxsplit", mode="reduce-overhead")``),
+    applied over its own.
     """
-    opts = BackendOptions(**options)
+    if "options" in options:
+        if options.get("inductor_config") is not None:
+            raise ValueError("fxsplit: give Inductor options once, as options= or as inductor_config=, not both")
+        options["inductor_config"] = options.pop("options")
+    base = BackendOptions(**options)
 
-    def fxsplit_backend_configured(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        mode = opts.resolved_fallback()
+    def fxsplit_backend_configured(
+        gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: dict[str, Any] | None = None
+    ) -> Callable[..., Any]:
+        # torch.compile's mode=/options=: a bad one is the caller's error, raised
+        # as such (not a fallback).
+        opts = _with_compile_arguments(base, mode, options)
+        _say_ineffective_options(opts)
+        fallback = opts.resolved_fallback()
         # compile_fx may rewrite gm in place; keep a pristine graph to fall back on.
-        pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if mode == "eager" else gm
+        pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if fallback == "eager" else gm
         build = _RegionBuild(f"region{next(_region_ids)}")
         try:
             return _compile_region(gm, example_inputs, opts, build)
         except ti.dynamo_control_flow_exceptions():
             raise  # Dynamo steering its own compilation (restart, graph break): not a failure
         except Exception as e:
-            _fall_back(build, e, mode)
+            _fall_back(build, e, fallback)
             return pristine.forward
 
-    fxsplit_backend_configured.options = opts  # type: ignore[attr-defined]
+    fxsplit_backend_configured.options = base  # type: ignore[attr-defined]
     return fxsplit_backend_configured
 
 
