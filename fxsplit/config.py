@@ -22,7 +22,9 @@
   Hooks registered on a weight's grad *accumulator node* (C++ post hooks such
   as DDP's reducer, or ``node.register_hook`` in Python) cannot be seen from
   Python: turn this off for such weights (``fxsplit.pipelining.PipelineStage``
-  does so for DDP-wrapped stages). Read when W runs;
+  does so for DDP-wrapped stages). The same conditions let W set an empty
+  ``.grad`` to the dW graph's gradient itself, as ``AccumulateGrad`` would,
+  without an autograd engine call. Read when W runs;
   ``FXSPLIT_FUSED_ACCUMULATION=0`` turns it off. Default ``True``.
 
 ``fallback``, ``defer`` and ``lazy_compile`` are read when a region compiles, so a change

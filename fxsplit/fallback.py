@@ -315,6 +315,61 @@ def _bottom_regions(
     return bottom, [GradientEdge(n, nr) for n, nr in edges]
 
 
+def _compiled_only_plan(
+    output_edges: Sequence[GradientEdge], input_nodes: Sequence[Node], weights: Sequence[torch.Tensor]
+) -> EagerWeightPlan | None:
+    """The plan of a stage whose backward is fxsplit-compiled regions only (the
+    common case: a stage compiled whole, or in pieces across graph breaks), or
+    ``None`` when it is anything else.
+
+    Such a stage has nothing for eager autograd to do in W: every node below
+    the outputs is a split region, the gradient node of a stage input, or the
+    grad accumulator of a given ``nn.Parameter`` (whose gradient a region's dW
+    graph computes), and every region leads to a stage input. One walk over those nodes decides it, instead of the per-weight
+    walks of the general plan (the same result, without its cost on every B).
+    """
+    if not input_nodes:
+        return None
+    inputs = set(input_nodes)
+    given = {id(w) for w in weights if w.requires_grad}
+    regions: dict[Node, None] = {}
+    found: set[int] = set()
+    queue = [e.node for e in output_edges]
+    while queue:
+        node = queue.pop()
+        if node is None or node in regions or node in inputs:
+            continue
+        if not is_split_region(node):
+            return None
+        regions[node] = None
+        for child, _ in node.next_functions:
+            if child is None or child in inputs or child in regions:
+                continue
+            if ti.is_accumulate_grad(child):
+                variable = getattr(child, "variable", None)
+                if id(variable) not in given or not isinstance(variable, torch.nn.Parameter):
+                    # A leaf that is not a given weight, or a plain-tensor weight (a region
+                    # computes its gradient in dI, as an input's): the general plan handles it.
+                    return None
+                found.add(id(variable))
+            else:
+                queue.append(child)
+    if not regions or found != given:
+        return None  # a given weight the outputs do not use: the general plan checks the weights
+    # Every region must lead to a stage input (else its whole backward is W work).
+    reaches: set[Node] = set()
+    grew = True
+    while grew:  # a fixpoint: regions are few
+        grew = False
+        for node in regions:
+            if node not in reaches and any(c in inputs or c in reaches for c, _ in node.next_functions):
+                reaches.add(node)
+                grew = True
+    if len(reaches) != len(regions):
+        return None
+    return EagerWeightPlan([], [], split_regions=list(regions), output_users=[[] for _ in output_edges])
+
+
 def plan_eager_weight_work(
     output_edges: Sequence[GradientEdge],
     input_nodes: Sequence[Node],
@@ -330,6 +385,9 @@ def plan_eager_weight_work(
     of them are not used by the stage outputs while parameters the outputs
     do use were not given.
     """
+    fast = _compiled_only_plan(output_edges, input_nodes, weights)
+    if fast is not None:
+        return fast
     roots = [e.node for e in output_edges]
     parents = _reverse_edges(roots)
     # Each node is asked once whether it is a split region (B and the per-weight walks ask often).

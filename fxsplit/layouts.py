@@ -199,7 +199,7 @@ class BoundaryGuard:
     ``region`` names the region in logs.
     """
 
-    __slots__ = ("region", "_checks", "adapted", "_reported")
+    __slots__ = ("region", "_checks", "_exact", "adapted", "_reported")
 
     def __init__(
         self, region: str, expected: Sequence[Any], names: Sequence[str], strides: Sequence[bool] | None = None
@@ -210,16 +210,31 @@ class BoundaryGuard:
             for i, v in enumerate(expected)
             if isinstance(v, torch.Tensor)
         )
+        # The per-call check, as plain tuples: (position, size, stride or None, dtype).
+        # A tensor that matches them exactly needs no closer look.
+        self._exact = tuple(
+            (i, layout.size, layout.stride if layout.strides else None, layout.dtype, k)
+            for k, (i, _, layout) in enumerate(self._checks)
+        )
         # name -> what was found and what was done, for inspection (first occurrence).
         self.adapted: dict[str, str] = {}
         self._reported: set[str] = set()
 
     def __call__(self, values: list[Any]) -> list[Any]:
         """Conform ``values`` in place (and return them)."""
-        for i, name, layout in self._checks:
+        for i, size, stride, dtype, k in self._exact:
             t = values[i]
-            if isinstance(t, torch.Tensor) and not layout.matches(t):
-                values[i] = self._conform(name, layout, t)
+            if (
+                t.__class__ is torch.Tensor
+                and t.shape == size
+                and (stride is None or t.stride() == stride)
+                and t.dtype is dtype
+            ):
+                continue
+            if isinstance(t, torch.Tensor):
+                _, name, layout = self._checks[k]
+                if not layout.matches(t):
+                    values[i] = self._conform(name, layout, t)
         return values
 
     def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,13 @@ work). :meth:`PendingWeightGrads.run` is W:
    computed again by the next W) or, where the exception fell between the
    two, unknown: the exception says so, naming the weights, and W refuses to
    run again rather than add a gradient twice or not at all.
+1c. **into an empty ``.grad``**: where a weight's ``.grad`` is ``None`` and
+   nothing observes its accumulation (the same conditions as 1b, and
+   :func:`takes_gradient_like_autograd`), W sets ``.grad`` to the dW graph's
+   gradient itself, as ``AccumulateGrad`` does when it takes a gradient
+   nobody else holds: no engine call (``handed_over`` lists them).
 2. **commit**: :func:`commit_weight_grads`, the one place where W changes
-   ``.grad``. Each call is one autograd engine call, as
+   ``.grad`` through autograd. Each call is one autograd engine call, as
    ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
    are the eager W starts plus, for each weight with compiled gradients, an
    edge to its ``AccumulateGrad`` carrying them. So
@@ -57,7 +62,10 @@ from fxsplit import config
 from fxsplit.fallback import EagerWeightPlan
 from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, registered
 
-__all__ = ["EagerGroup", "PendingWeightGrads", "WeightCommit", "accumulates_like_autograd", "commit_weight_grads"]
+__all__ = [
+    "EagerGroup", "PendingWeightGrads", "WeightCommit", "accumulates_like_autograd", "commit_weight_grads",
+    "takes_gradient_like_autograd",
+]
 
 
 def _nbytes(tensors: Any) -> int:
@@ -273,6 +281,38 @@ def accumulates_like_autograd(
     )
 
 
+def takes_gradient_like_autograd(
+    weight: torch.Tensor, grad: torch.Tensor, avoid: set[int] = frozenset()  # type: ignore[assignment]
+) -> bool:
+    """Whether setting ``weight.grad = grad`` (``weight.grad`` being ``None``)
+    is what autograd's accumulation would do, with nothing else to observe.
+
+    Into an empty ``.grad``, ``AccumulateGrad`` takes the gradient itself, no
+    copy, when nobody else holds it and it has the weight's layout (the
+    layout contract: the weight's strides where the weight is dense, else
+    contiguous); it casts to ``grad_dtype`` and runs the weight's hooks. So:
+    no tensor or post-accumulate-grad hooks, a plain strided gradient of the
+    weight's dtype, device and shape in the weight's layout, not requiring
+    grad, a plain weight, ``grad_dtype`` unset or equal, and a storage not in
+    ``avoid`` (the live-ins and other gradients of the same W: a tensor
+    someone else holds, which autograd would copy)."""
+    return (
+        weight.grad is None
+        and type(grad) is torch.Tensor
+        and type(weight) in (torch.nn.Parameter, torch.Tensor)
+        and grad.layout == torch.strided
+        and not grad.requires_grad
+        and grad.dtype == weight.dtype
+        and grad.device == weight.device
+        and grad.shape == weight.shape
+        and (grad.stride() == weight.stride() if _dense(weight) else grad.is_contiguous())
+        and not weight._backward_hooks
+        and not getattr(weight, "_post_accumulate_grad_hooks", None)
+        and getattr(weight, "grad_dtype", None) in (None, grad.dtype)
+        and grad.untyped_storage().data_ptr() not in avoid
+    )
+
+
 class ParamGroup(Mapping[str, Any]):
     """One group of ``param_groups`` as upstream's ``stage_backward_input`` returns it:
     ``"params"`` (the weights' grad-accumulator nodes), ``"intermediates"``
@@ -379,6 +419,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # Positions (in ``weights``) of the weights W accumulated into .grad
         # inside a dW graph rather than through autograd (for inspection).
         self.accumulated_in_graph: list[int] = []
+        # Positions of the weights whose empty .grad W set to the dW graph's
+        # gradient itself, as autograd would, without an engine call.
+        self.handed_over: list[int] = []
 
     @classmethod
     def from_b(
@@ -628,37 +671,55 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         (:func:`accumulates_like_autograd`)."""
         if switch is False or not self.compiled:
             return {}
-        default = config.current("fused_accumulation") if switch is None else True
-        sources: dict[int, int] = {}
-        for record in self.compiled:
-            for p in record.weights:
-                sources[id(p)] = sources.get(id(p), 0) + 1
-        for group in self.groups:
-            for w in group.weights:
-                sources[id(w)] = sources.get(id(w), 0) + 1
+        multi = self._multi_source()
         result: dict[int, tuple[int, ...]] = {}
         for i, record in enumerate(self.compiled):
-            allowed = record.owner.fused_accumulation
-            if allowed is False or (allowed is None and not default):
+            if not self._fusion_allowed(record, switch):
                 continue
-            live = record.live_in_storages()
             dtypes = record.owner.weight_grad_dtypes
             positions = tuple(
                 k
                 for k, p in enumerate(record.params)
                 if p is not None
                 and id(p) in wanted
-                and sources.get(id(p)) == 1
-                and accumulates_like_autograd(p, dtypes[k] if k < len(dtypes) else None, live)
+                and id(p) not in multi
+                and accumulates_like_autograd(p, dtypes[k] if k < len(dtypes) else None)
             )
+            if positions:  # a .grad that shares a storage with a live-in is read by the graph itself
+                live = record.live_in_storages()
+                positions = tuple(k for k in positions if record.params[k].grad.untyped_storage().data_ptr() not in live)
             if positions:
                 result[i] = positions
         return result
 
+    @staticmethod
+    def _fusion_allowed(record: CompiledWeightWork, switch: bool | None) -> bool:
+        """Whether W may commit ``record``'s gradients itself (in the graph, or
+        into an empty ``.grad``) rather than through autograd's engine."""
+        if switch is False:
+            return False
+        allowed = record.owner.fused_accumulation
+        if allowed is False:
+            return False
+        return allowed is True or switch is True or config.current("fused_accumulation")
+
+    def _multi_source(self) -> set[int]:
+        """The weights (by id) whose gradient comes from more than one record or eager group."""
+        if len(self.compiled) + len(self.groups) < 2:
+            return set()
+        seen: set[int] = set()
+        multi: set[int] = set()
+        for ws in [r.weights for r in self.compiled] + [g.weights for g in self.groups]:
+            for w in ws:
+                (multi if id(w) in seen else seen).add(id(w))
+        return multi
+
     def _compute_and_commit(self, fused_accumulation: bool | None = None) -> None:
         # The commits are built in their own frame: once it returns, the
         # commits hold the only references to W's gradients (see _HandOver).
-        commits = self._compute(fused_accumulation)
+        commits, direct = self._compute(fused_accumulation)
+        if direct:
+            self._take(direct)
         blocked = [n for n in (r() for r in self._split_regions) if n is not None]
         t0 = time.perf_counter_ns()
         try:
@@ -668,9 +729,28 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         finally:
             self.timings["w_commit_ns"] += time.perf_counter_ns() - t0
 
-    def _compute(self, fused_accumulation: bool | None) -> list[WeightCommit]:
+    def _take(self, direct: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Commit each ``(weight, gradient)`` by ``weight.grad = gradient``. What
+        happened is read off ``.grad`` afterwards, also after an interruption,
+        so every weight is either committed (and recorded so) or untouched."""
+        position = {id(w): k for k, w in enumerate(self._weights)}
+        try:
+            for weight, grad in direct:
+                weight.grad = grad
+        finally:
+            for weight, grad in direct:
+                if weight.grad is grad:
+                    self._committed.add(id(weight))
+                    self.handed_over.append(position[id(weight)])
+            direct.clear()
+
+    def _compute(
+        self, fused_accumulation: bool | None
+    ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Steps 0-2 of W (module docstring): the in-graph accumulation, and
-        the commits that remain."""
+        the commits that remain: through autograd's engine, and ``(weight,
+        gradient)`` pairs an empty ``.grad`` takes as they are
+        (:func:`takes_gradient_like_autograd`)."""
         wanted = {id(w) for w in self._weights if w.requires_grad and id(w) not in self._committed}
         # 0. the dW graphs that accumulate into .grad, compiled on first use:
         # a compile error here changes nothing.
@@ -685,11 +765,13 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # 1. compute: pure, so an exception here changes nothing.
         compiled: dict[int, list[torch.Tensor]] = {}
         by_id: dict[int, tuple[torch.Tensor, Node]] = {}
+        origin: dict[int, int] = {}  # the record a weight's (last) gradient came from
         for i, record in enumerate(self.compiled):
             if i not in accumulating and any(id(p) in wanted for p in record.weights):
                 for p, acc, g in record.compute(wanted, self.timings):
                     compiled.setdefault(id(p), []).append(g)
                     by_id[id(p)] = (p, acc)
+                    origin[id(p)] = i
         # 2. accumulate inside the dW graphs: each graph's run is the commit of
         # its fused weights, and computes the rest. Interrupted, the brackets
         # it ran tell which of its weights were written.
@@ -709,6 +791,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             for p, acc, g in rest:
                 compiled.setdefault(id(p), []).append(g)
                 by_id[id(p)] = (p, acc)
+                origin[id(p)] = i
+        direct = self._direct(compiled, by_id, origin, fused_accumulation)
         # 3. one commit per eager group (with the compiled gradients of its
         # weights), then one for the weights only compiled regions reach.
         commits: list[WeightCommit] = []
@@ -736,7 +820,47 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     roots.append(GradientEdge(acc, 0))
                     values.append(g)
             commits.append(WeightCommit(roots, values, [w for w, _ in rest_weights], [a for _, a in rest_weights]))
-        return commits
+        return commits, direct
+
+    def _direct(
+        self,
+        compiled: dict[int, list[torch.Tensor]],
+        by_id: dict[int, tuple[torch.Tensor, Node]],
+        origin: dict[int, int],
+        switch: bool | None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Take out of ``compiled`` the gradients an empty ``.grad`` takes as
+        they are: one gradient, from a record whose weights W may commit
+        itself (:meth:`_fusion_allowed`), for a weight no eager group
+        reaches, and :func:`takes_gradient_like_autograd`. Autograd's engine
+        call would do exactly that assignment, at the cost of an engine call."""
+        candidates = [
+            k for k, gs in compiled.items()
+            if len(gs) == 1 and by_id[k][0].grad is None and self._fusion_allowed(self.compiled[origin[k]], switch)
+        ]
+        if not candidates:
+            return []
+        eager = {id(w) for g in self.groups for w in g.weights}
+        # A storage two gradients share, or a live-in holds, is someone else's too: autograd would copy it.
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for gs in compiled.values():
+            for g in gs:
+                ptr = g.untyped_storage().data_ptr()
+                (shared if ptr in seen else seen).add(ptr)
+        live: dict[int, set[int]] = {}
+        direct = []
+        for k in candidates:
+            if k in eager:
+                continue
+            i = origin[k]
+            if i not in live:
+                live[i] = self.compiled[i].live_in_storages() | shared
+            weight, grad = by_id[k][0], compiled[k][0]
+            if takes_gradient_like_autograd(weight, grad, live[i]):
+                direct.append((weight, grad))
+                del compiled[k]
+        return direct
 
     def _release(self) -> None:
         for record in self.compiled:

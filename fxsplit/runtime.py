@@ -86,16 +86,26 @@ class InputCall:
     re-run nodes), so a region frees the activations it saved itself, once
     its dI graph has run, unless its node is in ``keep`` (W's eager calls
     pass through it). Without a retained graph the engine frees them.
+    ``handover``: the region nodes that may hand input gradients to W's eager part.
     """
 
-    __slots__ = ("weight_ids", "records", "deferred", "release_saved", "keep", "timings")
+    __slots__ = ("weight_ids", "records", "deferred", "release_saved", "keep", "handover", "timings")
 
-    def __init__(self, weight_ids: Iterable[int], release_saved: bool = False, keep: Iterable[Any] = ()) -> None:
+    def __init__(
+        self,
+        weight_ids: Iterable[int],
+        release_saved: bool = False,
+        keep: Iterable[Any] = (),
+        handover: Iterable[Any] | None = None,
+    ) -> None:
         self.weight_ids = frozenset(weight_ids)
         self.records: list[CompiledWeightWork] = []
         self.deferred: list[DeferredGrad] = []
         self.release_saved = release_saved
         self.keep = frozenset(keep)
+        # The region nodes whose unused input gradients W's eager part may need
+        # (the plan's region starts); None: every region's, as B cannot tell.
+        self.handover = None if handover is None else frozenset(handover)
         # Time inside the dI graphs this call ran ("b_graph_ns").
         self.timings: dict[str, int] = {}
 
@@ -568,6 +578,8 @@ class CompiledSplitBackward:
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
+        if call.handover is not None and node not in call.handover:
+            return result
         handed: set[int] = set()
         for i in self.split.di_outputs:
             owner = self.layout.owners[i]

@@ -287,13 +287,17 @@ def test_grad_never_aliases_the_callers_output_gradient(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "eager"])
-def test_w_gives_its_own_gradients_to_an_empty_grad_without_a_copy(mode: str, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "through-autograd"])
+def test_w_gives_its_own_gradients_to_an_empty_grad_without_a_copy(mode: str, direct: bool, monkeypatch: Any) -> None:
     """After ordinary backward, AccumulateGrad takes the compiled backward's
     output as an empty ``.grad``; W must do the same with the dW graph's
     output rather than copy every weight gradient on a microbatch that starts
     from ``.grad = None`` (autograd copies a gradient someone else references,
-    and a root gradient passed to the engine is referenced by its caller)."""
-    from fxsplit import pending
+    and a root gradient passed to the engine is referenced by its caller).
+    Where nothing observes the accumulation W sets ``.grad`` itself
+    (``work.handed_over``); with ``fused_accumulation=False`` the gradients go
+    through autograd's engine by a hand-over node that keeps no reference."""
+    from fxsplit import pending, runtime
 
     torch.manual_seed(0)
     model = TwoLayer()
@@ -302,20 +306,33 @@ def test_w_gives_its_own_gradients_to_an_empty_grad_without_a_copy(mode: str, mo
     reference_grads(ref, [x], [g])
     fn = prepare(model, mode)
     params = list(model.parameters())
+    produced: set[int] = set()
     handed: set[int] = set()
     original = pending._HandOver.backward
+    original_dw = runtime.CompiledSplitBackward.run_dw
 
     def spy(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out = original(ctx, grad)
         handed.update(t.untyped_storage().data_ptr() for t in out if t is not None)
         return out
 
+    def spy_dw(self: Any, live_ins: list[Any], timings: Any = None) -> list[Any]:
+        out = original_dw(self, live_ins, timings)
+        produced.update(t.untyped_storage().data_ptr() for t in out if isinstance(t, torch.Tensor))
+        return out
+
     monkeypatch.setattr(pending._HandOver, "backward", staticmethod(spy))
+    monkeypatch.setattr(runtime.CompiledSplitBackward, "run_dw", spy_dw)
     xi = x.clone().requires_grad_()
     _, work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], params)
-    fxsplit.stage_backward_weight(params, work)
+    fxsplit.stage_backward_weight(params, work, fused_accumulation=None if direct else False)
     matrices = [p for p in params if p.dim() == 2]  # computed by the dW graph's matmuls
-    assert matrices and all(p.grad.untyped_storage().data_ptr() in handed for p in matrices)
+    assert matrices and all(p.grad.untyped_storage().data_ptr() in produced for p in matrices)
+    if direct:  # (a bias gradient dI computed and dW returns as it is, a live-in, goes through autograd)
+        assert all(any(params[k] is p for k in work.handed_over) for p in matrices)
+        assert not any(p.grad.untyped_storage().data_ptr() in handed for p in matrices)
+    else:
+        assert not work.handed_over and all(p.grad.untyped_storage().data_ptr() in handed for p in matrices)
     assert_same_grads(model, ref)
 
 
