@@ -70,9 +70,9 @@ def _captured_graph_calls(found: dict[str, tuple[Any, list[Any]]]) -> Iterator[N
         found["dI"] = (self._run_di, list(args))
         return di(self, args, timings)
 
-    def _acc(self: Any, graph: Any, args: list[Any], timings: Any = None) -> Any:
+    def _acc(self: Any, graph: Any, args: list[Any], timings: Any = None, *rest: Any) -> Any:
         found["dW"] = (graph, list(args))
-        return acc(self, graph, args, timings)
+        return acc(self, graph, args, timings, *rest)
 
     cls._full, cls._di_and_live, cls.run_dw_accumulating = _full, _di, _acc  # type: ignore[method-assign]
     try:

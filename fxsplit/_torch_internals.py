@@ -990,6 +990,11 @@ class AccumulationLedger:
 _LEDGERS = threading.local()
 
 
+def current_ledger() -> AccumulationLedger | None:
+    """The ledger :func:`recording_accumulation` set in this thread, if any."""
+    return getattr(_LEDGERS, "current", None)
+
+
 @contextlib.contextmanager
 def recording_accumulation() -> Iterator[AccumulationLedger]:
     """Record, in this thread, the brackets the accumulating graphs run inside the block."""

@@ -528,6 +528,7 @@ def _compile_split_backward(
         layout=layout,
         fused_backward=opts.fused_backward,
         fused_accumulation=opts.fused_accumulation,
+        cudagraphs=opts.cudagraphs,
     )
     # Compile every graph now when a later compile could not be trusted:
     # Inductor may add shape guards while compiling a graph with symbolic

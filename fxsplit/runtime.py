@@ -39,6 +39,7 @@ import torch
 
 from fxsplit import _torch_internals as ti
 from fxsplit.gradient_layout import GradientLayout, WeightGradient
+from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend
 from fxsplit.layouts import BoundaryGuard
 from fxsplit.passes import SplitResult
 
@@ -178,7 +179,7 @@ class CompiledWeightWork:
     drops the live-ins once W has committed the gradients.
     """
 
-    __slots__ = ("_owner", "_live_ins", "params", "accumulators")
+    __slots__ = ("_owner", "_live_ins", "params", "accumulators", "slot", "__weakref__")
 
     def __init__(
         self,
@@ -186,9 +187,14 @@ class CompiledWeightWork:
         live_ins: list[Any],
         params: list[torch.Tensor | None],
         accumulators: list[Any] | None = None,
+        slot: Slot | None = None,
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
+        # The CUDA graph slot whose buffers hold the live-ins (fxsplit.cudagraphs), held until release.
+        self.slot = slot
+        if slot is not None:
+            slot.hold(self)
         self.params = params
         # Each param's grad accumulator, as the region's autograd node links it
         # (None where params has None): W hands the gradients to these.
@@ -237,7 +243,7 @@ class CompiledWeightWork:
         observable: the live-ins stay held until :meth:`release`. The time
         inside the graph is added to ``timings["w_graph_ns"]``."""
         # Pass a copy: compiled graphs clear their argument list.
-        outs = self._owner.run_dw(list(self._check()), timings)
+        outs = self._owner.run_dw(list(self._check()), timings, self.slot)
         return self._select(self._owner.weight_gradient_values(outs), wanted)
 
     def accumulate(
@@ -253,7 +259,7 @@ class CompiledWeightWork:
         the other gradients as :meth:`compute` does. Not pure: once called, the
         weights at ``positions`` count as accumulated."""
         grads = [self.params[k].grad for k in positions]  # type: ignore[union-attr]
-        outs = self._owner.run_dw_accumulating(graph, list(self._check()) + grads, timings)
+        outs = self._owner.run_dw_accumulating(graph, list(self._check()) + grads, timings, self.slot, positions)
         # In-place writes of compiled kernels do not bump the version counter
         # that autograd's own in-place accumulation bumps.
         torch.autograd.graph.increment_version(grads)
@@ -266,6 +272,9 @@ class CompiledWeightWork:
 
     def release(self) -> None:
         self._live_ins = None
+        if self.slot is not None:
+            self.slot.release()
+            self.slot = None
 
 
 class RegionGraphs(Protocol):
@@ -318,9 +327,15 @@ class CompiledSplitBackward:
         layout: GradientLayout | None = None,
         fused_backward: bool = True,
         fused_accumulation: bool | None = None,
+        cudagraphs: bool = False,
     ) -> None:
         # An instance attribute, so wrappers that copy __dict__ (torch._dynamo.disable) keep it.
         self._boxed_call = True
+        # Replay dI and dW as CUDA graphs where they can (fxsplit.cudagraphs);
+        # decided on the first split call, from its tensors.
+        self.cudagraphs = cudagraphs
+        self._capture: RegionCapture | None = None
+        self._capture_decided = False
         self.split = split
         self.graphs = graphs
         self.name = name
@@ -477,23 +492,65 @@ class CompiledSplitBackward:
         return result
 
     # -- graph-level pieces -------------------------------------------------
-    def run_dw(self, live_ins: list[Any], timings: dict[str, int] | None = None) -> list[Any]:
+    @property
+    def capture(self) -> RegionCapture | None:
+        """The region's CUDA graph slots (:mod:`fxsplit.cudagraphs`), once a
+        split call decided them; ``None`` when CUDA graphs were not asked for
+        or not decided yet. ``capture.status`` says why a region runs uncaptured."""
+        return self._capture
+
+    def _capture_for(self, args: Sequence[Any]) -> RegionCapture | None:
+        """The slots to replay through, deciding on the first call whether the
+        region can use CUDA graphs at all (said once where not)."""
+        if self._capture_decided:
+            capture = self._capture
+            return capture if capture is not None and capture.status == "captured" else None
+        self._capture_decided = True
+        if not self.cudagraphs:
+            return None
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        backend = capture_backend(device)
+        self._capture = RegionCapture(self.name, backend, device)  # type: ignore[arg-type]
+        if backend is None:
+            where = ", ".join(sorted(str(d) for d in devices)) or "no device"
+            self._capture.disable(f"its tensors are on {where}, not one CUDA device")
+        elif getattr(self.graphs, "dynamic", False):
+            self._capture.disable("it has symbolic sizes")
+        return self._capture if self._capture.status == "captured" else None
+
+    def run_dw(
+        self, live_ins: list[Any], timings: dict[str, int] | None = None, slot: Slot | None = None
+    ) -> list[Any]:
         # Outside the autograd engine: reproduce the state it runs backward
         # graphs in (no grad mode; the graph is already autocast-lowered).
         with torch.no_grad(), ti.autocast_disabled():
             t0 = time.perf_counter_ns()
-            out = list(self._run_dw(live_ins))
+            out = None
+            if slot is not None and self._capture is not None:
+                out = self._capture.run_dw(slot, self._run_dw, live_ins)
+            if out is None:
+                out = list(self._run_dw(live_ins))
             dt = time.perf_counter_ns() - t0
         self._count("dW", dt, timings, "w_graph_ns")
         self.stats["dw_runs"] += 1
         return out
 
     def run_dw_accumulating(
-        self, graph: ti.BoxedCallable, args: list[Any], timings: dict[str, int] | None = None
+        self,
+        graph: ti.BoxedCallable,
+        args: list[Any],
+        timings: dict[str, int] | None = None,
+        slot: Slot | None = None,
+        positions: tuple[int, ...] = (),
     ) -> list[Any]:
         with torch.no_grad(), ti.autocast_disabled():
             t0 = time.perf_counter_ns()
-            out = list(graph(args))
+            out = None
+            if slot is not None and self._capture is not None:
+                out = self._capture.run_dw_accumulating(slot, positions, graph, args, len(positions))
+            if out is None:
+                out = list(graph(args))
             dt = time.perf_counter_ns() - t0
         self._count("dW", dt, timings, "w_graph_ns")
         self.stats["dw_runs"] += 1
@@ -515,15 +572,25 @@ class CompiledSplitBackward:
             guard = self._boundary = BoundaryGuard(self.name, *self.graphs.di_boundary())
         return guard
 
-    def _di_and_live(self, args: list[Any], timings: dict[str, int] | None = None) -> tuple[list[Any], list[Any]]:
+    def _di_and_live(
+        self, args: list[Any], timings: dict[str, int] | None = None
+    ) -> tuple[list[Any], list[Any], Slot | None]:
+        """Run dI: its outputs, the live-ins, and the CUDA graph slot holding
+        the live-ins (``None`` uncaptured), which the caller hands to the W
+        work (or releases)."""
         guard = self.boundary
+        n = len(self.split.di_outputs)
+        capture = self._capture_for(args)
         t0 = time.perf_counter_ns()
-        outs = list(self._run_di(args))
+        replayed = capture.run_di(self._run_di, args, n) if capture is not None else None
+        if replayed is not None:
+            outs, slot = replayed
+        else:
+            outs, slot = list(self._run_di(args)), None
         self._count("dI", time.perf_counter_ns() - t0, timings, "b_graph_ns")
         guard(outs)
-        n = len(self.split.di_outputs)
         self.stats["di_runs"] += 1
-        return outs[:n], outs[n:]
+        return outs[:n], outs[n:], slot
 
     def _assemble(self, di_vals: Sequence[Any], dw_vals: Sequence[Any] | None) -> list[Any]:
         result: list[Any] = [None] * self.split.num_outputs
@@ -541,9 +608,13 @@ class CompiledSplitBackward:
             self.graph_ns["fused"] += time.perf_counter_ns() - t0
             self.stats["fused_runs"] += 1
             return out
-        di_vals, live = self._di_and_live(args)
+        di_vals, live, slot = self._di_and_live(args)
         args.clear()
-        dw_vals = self.run_dw(live)
+        try:
+            dw_vals = self.run_dw(live, slot=slot)
+        finally:
+            if slot is not None:
+                slot.release()
         return self._assemble(di_vals, dw_vals)
 
     # -- AOTAutograd entry point -------------------------------------------
@@ -567,14 +638,14 @@ class CompiledSplitBackward:
         edges = self.layout.edges_by_output(node.next_functions, self.name)
         if self._subclass_grads is None and self.layout.subclass_inputs:
             self._subclass_grads = ti.SubclassGradients.of(node)
-        di_vals, live = self._di_and_live(args, call.timings)
+        di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
         if call.release_saved and node not in call.keep:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
         params, accumulators = self._params_of(edges, call.weight_ids)
-        call.records.append(CompiledWeightWork(self, live, params, accumulators))
+        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot))
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.

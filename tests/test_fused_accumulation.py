@@ -335,8 +335,8 @@ def test_an_interrupted_accumulating_graph_leaves_its_weights_accumulated_and_w_
     for region in regions_since(before):
         original = region.run_dw_accumulating
 
-        def interrupted(graph: Any, args: list[Any], timings: Any = None, original: Any = original) -> Any:
-            out = original(graph, args, timings)
+        def interrupted(graph: Any, args: list[Any], timings: Any = None, *rest: Any, original: Any = original) -> Any:
+            out = original(graph, args, timings, *rest)
             calls["n"] += 1
             if calls["n"] == 2:
                 raise KeyboardInterrupt

@@ -316,8 +316,8 @@ def test_w_gives_its_own_gradients_to_an_empty_grad_without_a_copy(mode: str, di
         handed.update(t.untyped_storage().data_ptr() for t in out if t is not None)
         return out
 
-    def spy_dw(self: Any, live_ins: list[Any], timings: Any = None) -> list[Any]:
-        out = original_dw(self, live_ins, timings)
+    def spy_dw(self: Any, live_ins: list[Any], *rest: Any) -> list[Any]:
+        out = original_dw(self, live_ins, *rest)
         produced.update(t.untyped_storage().data_ptr() for t in out if isinstance(t, torch.Tensor))
         return out
 

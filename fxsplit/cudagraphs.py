@@ -1,0 +1,351 @@
+"""CUDA graphs for a region's dI and dW graphs (``mode="reduce-overhead"``).
+
+With ``triton.cudagraphs`` on (``torch.compile(..., mode="reduce-overhead")``),
+Inductor replays the forward and the fused backward through its cudagraph
+trees. fxsplit replays the dI and dW graphs through a capture of its own,
+because what crosses between them must outlive any later replay: a
+zero-bubble schedule holds the live-ins of several microbatches between
+their B and their W, and a replay that wrote into one would change another
+microbatch's gradients without a sound.
+
+So each region keeps *slots*. A slot is one captured dI graph, the dW graphs
+captured against its outputs, and a private memory pool. A slot is keyed by
+the addresses of dI's inputs (the saved activations, which the forward's own
+CUDA graphs or the caching allocator put at the same addresses from step to
+step, the output gradients, the weights): dI replays reading them where they
+are, no copy. Its live-ins are the slot's own output buffers, which dW reads
+where they are, no copy either. A slot is busy from B until its W has
+committed (or its pending work is dropped), and B then uses another slot,
+capturing one more, up to :data:`MAX_SLOTS`; so no replay ever overwrites a
+live-in that a pending W still needs. What leaves a slot (the input gradients
+B returns, the weight gradients W hands autograd) is copied out, once;
+weights whose ``.grad`` W accumulates into in the graph are accumulated inside
+the captured dW graph, whose ``.grad`` addresses are part of its key.
+
+A region runs uncaptured, and says so once (INFO), where capture is
+impossible or would not pay: tensors not on CUDA, symbolic sizes, a capture
+that fails (a CPU operation or synchronization inside the graph), more input
+address sets or accumulating variants than the limits. ``describe()`` says
+what each region does.
+
+Replaying a captured graph runs the same kernels on the same data as the
+uncaptured graph: the gradients are bitwise those of the uncaptured split.
+
+The capture itself goes through a :class:`CaptureBackend` (CUDA's by default),
+so that the slot logic can be exercised without a GPU (:class:`SimulatedCapture`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger("fxsplit")
+
+__all__ = ["MAX_SLOTS", "MAX_VARIANTS", "CaptureBackend", "RegionCapture", "SimulatedCapture", "capture_backend"]
+
+MAX_SLOTS = 8
+"""Slots (microbatches in flight between B and W, or input address sets) per region."""
+MAX_VARIANTS = 4
+"""Accumulating dW graphs (``.grad`` address sets) captured per slot."""
+
+BoxedFn = Callable[[list[Any]], Any]
+
+
+class CaptureBackend(Protocol):
+    """How graphs are captured and replayed."""
+
+    def pool(self, device: torch.device) -> Any:
+        """A fresh private memory pool."""
+
+    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> None:
+        """Run ``fn`` once as capture will (lazy initialization out of the way)."""
+
+    def capture(self, fn: BoxedFn, args: list[Any], pool: Any, device: torch.device) -> tuple[Any, list[Any]]:
+        """Capture ``fn(args)``; returns a handle and the outputs (static buffers,
+        written by every replay)."""
+
+    def replay(self, handle: Any) -> None:
+        """Run the captured work again, writing the same outputs."""
+
+
+class _CudaCapture:
+    """``torch.cuda.CUDAGraph`` on one side stream per device, each slot with a
+    private pool (``torch.cuda.graph_pool_handle``)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def pool(self, device: torch.device) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> None:
+        stream = self._stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn(list(args))
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def capture(self, fn: BoxedFn, args: list[Any], pool: Any, device: torch.device) -> tuple[Any, list[Any]]:
+        graph = torch.cuda.CUDAGraph()
+        stream = self._stream(device)
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outs = list(fn(list(args)))
+        torch.cuda.synchronize(device)
+        return graph, outs
+
+    def replay(self, handle: Any) -> None:
+        handle.replay()
+
+
+class SimulatedCapture:
+    """A stand-in for CUDA graphs on any device, for tests: a "replay" runs
+    the function again on the tensors it was captured with and copies the
+    results into the captured outputs, in place, as a CUDA graph replay
+    writes its static output buffers. A test that keeps an output of an
+    earlier replay sees it overwritten exactly where a real replay would."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def pool(self, device: torch.device) -> Any:
+        return None
+
+    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> None:
+        fn(list(args))
+
+    def capture(self, fn: BoxedFn, args: list[Any], pool: Any, device: torch.device) -> tuple[Any, list[Any]]:
+        # A capture records, it does not run: work on copies for the output
+        # buffers, so that nothing the graph writes in place is written here.
+        self.captures += 1
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in fn(copies)]
+        return (fn, list(args), outs), outs
+
+    def replay(self, handle: Any) -> None:
+        self.replays += 1
+        fn, args, outs = handle
+        with torch.no_grad():
+            for old, new in zip(outs, fn(list(args))):
+                if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+                    old.copy_(new)
+
+
+_CUDA = _CudaCapture()
+
+
+def capture_backend(device: torch.device) -> CaptureBackend | None:
+    """The capture for tensors on ``device``, or ``None`` where CUDA graphs do not apply."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return _CUDA
+    return None
+
+
+def _ptrs(args: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class _Graph:
+    """One captured graph: its handle and static outputs."""
+
+    __slots__ = ("handle", "outs")
+
+    def __init__(self, handle: Any, outs: list[Any]) -> None:
+        self.handle = handle
+        self.outs = outs
+
+
+class Slot:
+    """One captured dI graph and the dW graphs captured against its outputs."""
+
+    __slots__ = ("key", "pool", "di", "dw", "variants", "holder", "__weakref__")
+
+    def __init__(self, key: tuple[Any, ...], pool: Any) -> None:
+        self.key = key
+        self.pool = pool
+        self.di: _Graph | None = None
+        self.dw: _Graph | None = None
+        # (dW output positions accumulated, .grad addresses) -> graph
+        self.variants: dict[tuple[Any, ...], _Graph | None] = {}
+        # The pending W work holding the slot's live-ins (weak), or None.
+        self.holder: Any = None
+
+    @property
+    def busy(self) -> bool:
+        holder = self.holder() if self.holder is not None else None
+        return holder is not None and holder.pending
+
+    def hold(self, owner: Any) -> None:
+        self.holder = weakref.ref(owner)
+
+    def release(self) -> None:
+        self.holder = None
+
+
+def _clone_out(values: Sequence[Any]) -> list[Any]:
+    return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+
+
+class RegionCapture:
+    """The slots of one region (module docs). ``status`` is ``"captured"``, or
+    why the region runs uncaptured."""
+
+    def __init__(self, region: str, backend: CaptureBackend, device: torch.device) -> None:
+        self.region = region
+        self.backend = backend
+        self.device = device
+        self.slots: list[Slot] = []
+        self.status = "captured"
+        self._lock = threading.Lock()
+        self._said: set[str] = set()
+        self.replays = {"dI": 0, "dW": 0, "dW+accumulate": 0}
+
+    def say_once(self, what: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.info("fxsplit: %s: %s", self.region, what)
+
+    def disable(self, why: str) -> None:
+        self.status = why
+        self.slots = []
+        self.say_once(f"dI and dW run without CUDA graphs: {why}")
+
+    def describe(self) -> str:
+        if self.status != "captured":
+            return f"CUDA graphs: off ({self.status})"
+        busy = sum(s.busy for s in self.slots)
+        variants = sum(len([v for v in s.variants.values() if v is not None]) for s in self.slots)
+        return (f"CUDA graphs: {len(self.slots)} slot(s) ({busy} holding live-ins), "
+                f"{variants} accumulating dW graph(s); replays {self.replays}")
+
+    # -- dI -------------------------------------------------------------------------------------
+    def run_di(self, fn: BoxedFn, args: list[Any], n_outputs: int) -> tuple[list[Any], Slot | None] | None:
+        """Replay (capturing first where needed) the dI graph on ``args``:
+        ``(outputs, slot)`` with the first ``n_outputs`` copied out and the
+        rest (live-ins) the slot's buffers, or ``None`` when this call must
+        run uncaptured."""
+        if self.status != "captured":
+            return None
+        key = _ptrs(args)
+        with self._lock:
+            slot = next((s for s in self.slots if s.key == key and not s.busy and s.di is not None), None)
+            if slot is None:
+                if len(self.slots) >= MAX_SLOTS:
+                    self.say_once(
+                        f"more than {MAX_SLOTS} microbatches in flight (or input address sets) for its CUDA graphs; "
+                        "the others run uncaptured"
+                    )
+                    return None
+                slot = Slot(key, self.backend.pool(self.device))
+                try:
+                    self.backend.warm_up(fn, args, self.device)
+                    handle, outs = self.backend.capture(fn, args, slot.pool, self.device)
+                except Exception as e:  # noqa: BLE001 - a capture that cannot be made is reported, not fatal
+                    self.disable(f"capturing the dI graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                    return None
+                slot.di = _Graph(handle, outs)
+                self.slots.append(slot)
+            slot.holder = _PENDING  # busy until the caller hands it to its W work
+        self.backend.replay(slot.di.handle)  # type: ignore[union-attr]
+        self.replays["dI"] += 1
+        outs = slot.di.outs  # type: ignore[union-attr]
+        return _clone_out(outs[:n_outputs]) + list(outs[n_outputs:]), slot
+
+    # -- dW -------------------------------------------------------------------------------------
+    def run_dw(self, slot: Slot, fn: BoxedFn, live_ins: list[Any]) -> list[Any] | None:
+        """Replay the slot's dW graph on its live-ins (capturing it on first
+        use); the weight gradients copied out. ``None``: run uncaptured."""
+        if self.status != "captured":
+            return None
+        if slot.dw is None:
+            try:
+                self.backend.warm_up(fn, live_ins, self.device)
+                handle, outs = self.backend.capture(fn, live_ins, slot.pool, self.device)
+            except Exception as e:  # noqa: BLE001
+                self.disable(f"capturing the dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                return None
+            slot.dw = _Graph(handle, outs)
+        self.backend.replay(slot.dw.handle)
+        self.replays["dW"] += 1
+        return _clone_out(slot.dw.outs)
+
+    def run_dw_accumulating(
+        self, slot: Slot, positions: tuple[int, ...], fn: BoxedFn, args: list[Any], n_grads: int
+    ) -> list[Any] | None:
+        """Replay the slot's dW graph that accumulates into the ``.grad``
+        tensors at the end of ``args`` (captured per set of ``.grad``
+        addresses, at most :data:`MAX_VARIANTS`); the other gradients copied
+        out. ``None``: run uncaptured."""
+        if self.status != "captured":
+            return None
+        key = (positions, _ptrs(args[len(args) - n_grads:]))
+        graph = slot.variants.get(key)
+        if graph is None:
+            if key in slot.variants or len(slot.variants) >= MAX_VARIANTS:
+                slot.variants.setdefault(key, None)
+                self.say_once(
+                    f"more than {MAX_VARIANTS} .grad address sets for its accumulating dW graph; those run uncaptured "
+                    "(keep .grad in place: zero_grad(set_to_none=False))"
+                )
+                return None
+            grads = args[len(args) - n_grads:]
+            try:
+                # Warm up on copies of the .grad tensors: the graph adds into them.
+                self.backend.warm_up(fn, list(args[: len(args) - n_grads]) + [g.clone() for g in grads], self.device)
+                with _no_ledger():
+                    handle, outs = self.backend.capture(fn, args, slot.pool, self.device)
+            except Exception as e:  # noqa: BLE001
+                self.disable(
+                    f"capturing the accumulating dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                )
+                return None
+            graph = slot.variants[key] = _Graph(handle, outs)
+        # One replay writes every accumulated .grad, or (raising) any of them:
+        # W's ledger records it as one write of each (see fxsplit.pending).
+        from fxsplit import _torch_internals as ti
+
+        ledger = ti.current_ledger()
+        ptrs = [g.data_ptr() for g in args[len(args) - n_grads:]]
+        if ledger is not None:
+            ledger.begun.update(ptrs)
+        self.backend.replay(graph.handle)
+        if ledger is not None:
+            ledger.ended.update(ptrs)
+        self.replays["dW+accumulate"] += 1
+        return _clone_out(graph.outs)
+
+
+class _Pending:
+    """Holds a slot between dI's replay and the W work that takes it over."""
+
+    pending = True
+
+
+_PENDING_OBJ = _Pending()
+_PENDING = weakref.ref(_PENDING_OBJ)
+
+
+@contextlib.contextmanager
+def _no_ledger() -> Any:
+    """Capture records the accumulation brackets' Python calls, which a
+    replay does not make: keep them out of the ledger of the W being run
+    (the caller accounts for a replay as one write of every accumulated weight)."""
+    from fxsplit import _torch_internals as ti
+
+    with ti.recording_accumulation():
+        yield

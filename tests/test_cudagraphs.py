@@ -1,0 +1,234 @@
+"""CUDA graphs for the dI and dW graphs (issue 27, ``mode="reduce-overhead"``), on any device.
+
+The slot logic of :mod:`fxsplit.cudagraphs` runs here through
+:class:`~fxsplit.cudagraphs.SimulatedCapture`: a "replay" writes the captured
+output buffers in place, exactly where a CUDA graph replay writes them, so a
+live-in that a later replay overwrote would show. Real capture and replay on
+a GPU are in ``tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from fxsplit import cudagraphs, runtime
+from fxsplit.cudagraphs import RegionCapture, SimulatedCapture
+from stage_check import new_regions
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+@pytest.fixture
+def simulated(monkeypatch: pytest.MonkeyPatch) -> SimulatedCapture:
+    sim = SimulatedCapture()
+    monkeypatch.setattr(runtime, "capture_backend", lambda device: sim)
+    return sim
+
+
+def _zb_step(module: nn.Module, compiled: Any, xs: list[torch.Tensor], gs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """B for every microbatch, then W in reverse: all of them in flight at once."""
+    params = list(module.parameters())
+    works, dxs = [], []
+    for x, g in zip(xs, gs):
+        xi = x.detach().requires_grad_()
+        (dx,), work = fxsplit.stage_backward_input([compiled(xi)], [g], [xi], params)
+        works.append(work)
+        dxs.append(dx)
+    for work in reversed(works):
+        fxsplit.stage_backward_weight(params, work)
+    return dxs
+
+
+def _pair(mode: str | None = "reduce-overhead") -> tuple[nn.Module, Any, nn.Module, Any]:
+    torch.manual_seed(0)
+    base = Block()
+    captured, plain = copy.deepcopy(base), copy.deepcopy(base)
+    return (captured, torch.compile(captured, backend=fxsplit.backend(compiler="eager", mode=mode)),
+            plain, torch.compile(plain, backend=fxsplit.backend(compiler="eager")))
+
+
+def test_replays_give_bitwise_the_uncaptured_split_with_microbatches_in_flight(simulated: SimulatedCapture) -> None:
+    captured, fn, plain, plain_fn = _pair()
+    before = fxsplit.compiled_regions()
+    for step in range(2):  # the second step accumulates into the first's .grad (captured accumulating dW)
+        xs = [torch.randn(2, 3, 8) for _ in range(3)]
+        gs = [torch.randn(2, 3, 8) for _ in range(3)]
+        got = _zb_step(captured, fn, xs, gs)
+        want = _zb_step(plain, plain_fn, xs, gs)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"step {step}: input gradient differs"
+        for (name, p), q in zip(captured.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+            assert p.grad.stride() == q.grad.stride()
+    region = next(r for r in new_regions(before) if r.capture is not None)
+    capture = region.capture
+    assert capture.status == "captured"
+    # W of the first microbatch starts from .grad = None (plain dW), the other five accumulate in the graph
+    assert capture.replays == {"dI": 6, "dW": 1, "dW+accumulate": 5}
+    assert len(capture.slots) >= 3  # three microbatches held live-ins at once
+    assert not any(s.busy for s in capture.slots)  # every W released its slot
+    assert "CUDA graphs: " in capture.describe()
+
+
+def test_a_busy_slot_is_never_replayed() -> None:
+    """The same inputs (same addresses) while the first microbatch's W is
+    pending: dI replays into another slot, and the pending live-ins keep
+    their values; once W released it, the slot is replayed again."""
+    sim = SimulatedCapture()
+    capture = RegionCapture("region-test", sim, torch.device("cpu"))
+    w = torch.randn(4, 4)
+
+    def di(args: list[Any]) -> list[Any]:
+        (x,) = args
+        return [x * 2, x @ w]  # an input gradient, then a live-in
+
+    class Pending:
+        pending = True
+
+    x = torch.randn(3, 4)
+    (dx0, live0), slot0 = capture.run_di(di, [x], 1)
+    holder0 = Pending()
+    slot0.hold(holder0)
+    kept = live0.clone()
+    x.add_(1.0)  # the same tensor (same address), other values: the next microbatch
+    (dx1, live1), slot1 = capture.run_di(di, [x], 1)
+    assert slot1 is not slot0 and live1.data_ptr() != live0.data_ptr()
+    assert torch.equal(live0, kept), "a replay overwrote a pending microbatch's live-in"
+    torch.testing.assert_close(live1, x @ w)
+    holder0.pending = False  # W of microbatch 0 done
+    slot1.hold(holder0)
+    (_, live2), slot2 = capture.run_di(di, [x], 1)
+    assert slot2 in (slot0, slot1) and len(capture.slots) == 2
+    # input gradients leave the slot as copies: a later replay does not change them
+    assert dx0.data_ptr() not in {t.data_ptr() for s in capture.slots for t in s.di.outs}
+
+
+def test_more_microbatches_than_slots_run_uncaptured_and_say_so(
+    simulated: SimulatedCapture, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cudagraphs, "MAX_SLOTS", 2)
+    captured, fn, plain, plain_fn = _pair()
+    xs = [torch.randn(2, 3, 8) for _ in range(4)]
+    gs = [torch.randn(2, 3, 8) for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="fxsplit"):
+        got = _zb_step(captured, fn, xs, gs)
+    want = _zb_step(plain, plain_fn, xs, gs)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for p, q in zip(captured.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    said = [r.getMessage() for r in caplog.records if "microbatches in flight" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_hooks_fire_as_after_ordinary_backward(simulated: SimulatedCapture) -> None:
+    captured, fn, plain, plain_fn = _pair()
+    fired: dict[str, list[int]] = {"captured": [], "plain": []}
+    for key, mod in (("captured", captured), ("plain", plain)):
+        for k, p in enumerate(mod.parameters()):
+            p.register_post_accumulate_grad_hook(lambda t, k=k, key=key: fired[key].append(k))
+    xs = [torch.randn(2, 3, 8) for _ in range(2)]
+    gs = [torch.randn(2, 3, 8) for _ in range(2)]
+    _zb_step(captured, fn, xs, gs)
+    for x, g in zip(xs, gs):  # ordinary backward on the plain copy
+        plain_fn(x).backward(g)
+    assert sorted(fired["captured"]) == sorted(fired["plain"]) and fired["captured"]
+    for p, q in zip(captured.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_symbolic_sizes_run_uncaptured_and_say_so(simulated: SimulatedCapture, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = Block()
+    fn = torch.compile(model, backend=fxsplit.backend(compiler="eager", mode="reduce-overhead"), dynamic=True)
+    before = fxsplit.compiled_regions()
+    with caplog.at_level(logging.INFO, logger="fxsplit"):
+        for t in (3, 5, 7):
+            _zb_step(model, fn, [torch.randn(2, t, 8)], [torch.randn(2, t, 8)])
+    region = next(r for r in new_regions(before) if r.capture is not None)
+    assert region.capture.status == "it has symbolic sizes"
+    said = [r.getMessage() for r in caplog.records if "run without CUDA graphs" in r.getMessage()]
+    assert len(said) == 1 and "symbolic sizes" in said[0]
+    assert simulated.captures == 0
+
+
+def test_cpu_tensors_run_uncaptured_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Without a CUDA device (the real capture backend), reduce-overhead changes
+    nothing but says once why, as Inductor skips CUDA graphs for CPU tensors."""
+    captured, fn, plain, plain_fn = _pair()
+    xs, gs = [torch.randn(2, 3, 8)], [torch.randn(2, 3, 8)]
+    before = fxsplit.compiled_regions()
+    with caplog.at_level(logging.INFO, logger="fxsplit"):
+        got = _zb_step(captured, fn, xs, gs)
+    want = _zb_step(plain, plain_fn, xs, gs)
+    assert torch.equal(got[0], want[0])
+    region = next(r for r in new_regions(before) if r.capture is not None)
+    assert "not one CUDA device" in region.capture.status
+    assert any("run without CUDA graphs" in r.getMessage() for r in caplog.records)
+
+
+def test_a_capture_that_fails_runs_uncaptured_and_says_why(
+    simulated: SimulatedCapture, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(simulated, "capture", broken)
+    captured, fn, plain, plain_fn = _pair()
+    xs, gs = [torch.randn(2, 3, 8)], [torch.randn(2, 3, 8)]
+    before = fxsplit.compiled_regions()
+    with caplog.at_level(logging.INFO, logger="fxsplit"):
+        got = _zb_step(captured, fn, xs, gs)
+    want = _zb_step(plain, plain_fn, xs, gs)
+    assert torch.equal(got[0], want[0])
+    region = next(r for r in new_regions(before) if r.capture is not None)
+    assert "capturing the dI graph failed" in region.capture.status
+    assert "stream is capturing" in region.capture.status
+
+
+def test_without_cudagraphs_nothing_is_captured(simulated: SimulatedCapture) -> None:
+    captured, fn, _, _ = _pair(mode=None)
+    before = fxsplit.compiled_regions()
+    _zb_step(captured, fn, [torch.randn(2, 3, 8)], [torch.randn(2, 3, 8)])
+    assert simulated.captures == 0
+    assert all(r.capture is None for r in new_regions(before))
+
+
+def test_a_replay_that_raises_while_accumulating_is_the_loud_case(
+    simulated: SimulatedCapture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay writes every accumulated .grad at once, or (raising) any of
+    them: W then says which weights it cannot vouch for, and refuses to run
+    again rather than add a gradient twice or not at all."""
+    captured, fn, _, _ = _pair()
+    params = list(captured.parameters())
+    _zb_step(captured, fn, [torch.randn(2, 3, 8)], [torch.randn(2, 3, 8)])  # .grad exists now
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    _, work = fxsplit.stage_backward_input([fn(x)], [torch.randn(2, 3, 8)], [x], params)
+    real = simulated.replay
+
+    def failing(handle: Any) -> None:
+        raise torch.cuda.OutOfMemoryError("simulated failure during replay")
+
+    monkeypatch.setattr(simulated, "replay", failing)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fxsplit.stage_backward_weight(params, work)
+    monkeypatch.setattr(simulated, "replay", real)
+    with pytest.raises(RuntimeError, match="cannot be repeated"):
+        fxsplit.stage_backward_weight(params, work)
