@@ -157,6 +157,32 @@ def inductor_config_patched(patches: dict[str, Any]) -> Any:
     return config.patch(patches)
 
 
+def cudagraph_trees_notice(compile_kwargs: dict[str, Any]) -> Callable[[], None] | None:
+    """What a backward that runs outside Inductor's cudagraph trees must call
+    each time it runs, when its forward replays through them, or ``None``.
+
+    The trees free the outputs of earlier forwards when a new "generation"
+    starts, unless forwards are waiting for their backward; a backward
+    compiled without CUDA graphs tells them it runs, as Inductor's own does
+    (``output_code.maybe_handle_backward_generation``:
+    ``get_manager(boxed_forward_device_index.value).set_to_running_backward()``).
+    Relies on: ``boxed_forward_device_index`` in the backward's compile
+    kwargs (set when the forward was cudagraphified),
+    ``torch._inductor.cudagraph_trees.get_manager``."""
+    box = compile_kwargs.get("boxed_forward_device_index")
+    index = getattr(box, "value", None)
+    if index is None:
+        return None
+    from torch._inductor import config
+
+    if not config.triton.cudagraph_trees:
+        return None
+    from torch._inductor.cudagraph_trees import get_manager
+
+    manager = get_manager(index, create_if_none_exists=False)
+    return None if manager is None else manager.set_to_running_backward
+
+
 def no_cudagraphs() -> Any:
     """A ``cudagraphs`` argument for ``compile_fx_inner`` that turns them off.
     Split graphs exchange live-ins and must not be captured in CUDA graphs."""

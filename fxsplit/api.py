@@ -61,11 +61,24 @@ class MissingOutputGradError(ValueError, AssertionError):
     """
 
 
-# Non-leaf outputs B has already run on carry this attribute (B twice on them
-# is an error). An attribute, not a WeakSet: set membership would compare
-# tensors with ==. Leaves (a parameter returned as an output) are never
-# marked: they are the same tensor in every microbatch.
+# B marks what it ran on (B twice on one microbatch's outputs is an error):
+# the autograd node of each non-leaf output (its ``metadata``), and the output
+# tensor itself, which B detaches in place (then it has no node to mark). An
+# attribute, not a WeakSet: set membership would compare tensors with ==.
+# Leaves (a parameter returned as an output) are never marked: they are the
+# same tensor in every microbatch. A marked tensor that has a node again is a
+# new forward's output: Inductor's cudagraph trees (mode="reduce-overhead")
+# return the same tensor object from every replay of a forward.
 _B_DONE = "_fxsplit_b_done"
+
+
+def _b_ran_on(o: torch.Tensor) -> bool:
+    """Whether B already ran on this output of this forward: detached by B, or
+    (a view B could not detach) still on the node B ran from."""
+    node = o.grad_fn
+    if node is None:
+        return getattr(o, _B_DONE, False)
+    return bool(node.metadata.get(_B_DONE, False))
 
 
 def _refuse_create_graph(create_graph: bool) -> None:
@@ -115,7 +128,7 @@ def _visit_output(o: Any, g: Any, path: str, outs: list[Output], gs: list[Any]) 
         outs.append(o)
         gs.append(g)
     elif isinstance(o, torch.Tensor):
-        if getattr(o, _B_DONE, False):
+        if _b_ran_on(o):
             raise RuntimeError(
                 f"fxsplit: stage_backward_input already ran on {path}; B runs once per microbatch "
                 "(the pending W work of that B is unchanged)"
@@ -320,6 +333,7 @@ def stage_backward_input(
         work.anchor(anchors)
     for o, users in zip(outs, plan.output_users):
         if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+            o.grad_fn.metadata[_B_DONE] = True
             setattr(o, _B_DONE, True)
             # Frees the graph above the outputs that nothing needs any more.
             # Views cannot be detached in place (upstream's fix: skip them).

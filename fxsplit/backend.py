@@ -413,6 +413,11 @@ class _RegionGraphs:
         )
         return self._run_di
 
+    def forward_cudagraphs_notice(self) -> Callable[[], None] | None:
+        """What B must call each time dI runs when the forward replays through
+        Inductor's cudagraph trees (:func:`fxsplit._torch_internals.cudagraph_trees_notice`), or ``None``."""
+        return ti.cudagraph_trees_notice(self._kwargs) if self._opts.compiler == "inductor" else None
+
     def _dw_inputs(self) -> tuple[list[Any], list[int]]:
         """Example inputs of the dW graph (as compiled dI lays its live-ins out) and its static inputs."""
         if self._dw_examples is None:

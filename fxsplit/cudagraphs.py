@@ -48,7 +48,9 @@ import torch
 
 log = logging.getLogger("fxsplit")
 
-__all__ = ["MAX_SLOTS", "MAX_VARIANTS", "CaptureBackend", "RegionCapture", "SimulatedCapture", "capture_backend"]
+__all__ = [
+    "MAX_SLOTS", "MAX_VARIANTS", "CaptureBackend", "RegionCapture", "SimulatedCapture", "capture_backend", "copy_exactly",
+]
 
 MAX_SLOTS = 8
 """Slots (microbatches in flight between B and W, or input address sets) per region."""
@@ -196,9 +198,41 @@ class Slot:
     def release(self) -> None:
         self.holder = None
 
+    def release_if_untaken(self) -> None:
+        """Give the slot back if no W work took it over since dI's replay."""
+        if self.holder is _TAKEN:
+            self.holder = None
+
+
+def _copying(fn: BoxedFn, positions: Sequence[int]) -> BoxedFn:
+    """``fn`` with its outputs at ``positions`` copied (inside a capture: into the pool)."""
+
+    def copying(args: list[Any]) -> list[Any]:
+        outs = list(fn(args))
+        for i in positions:
+            if isinstance(outs[i], torch.Tensor):
+                outs[i] = copy_exactly(outs[i])
+        return outs
+
+    return copying
+
+
+def copy_exactly(t: torch.Tensor) -> torch.Tensor:
+    """A copy with ``t``'s exact sizes and strides (``clone`` makes a padded
+    layout contiguous, which the graph that reads the copy was not compiled for)."""
+    expanded = [d for d, (n, st) in enumerate(zip(t.shape, t.stride())) if st == 0 and n > 1]
+    if expanded:  # an expanded layout: copy what it holds once, expand the copy alike
+        base = t
+        for d in expanded:
+            base = base.narrow(d, 0, 1)
+        return copy_exactly(base).expand(t.shape)
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
 
 def _clone_out(values: Sequence[Any]) -> list[Any]:
-    return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    return [copy_exactly(v) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 class RegionCapture:
@@ -234,13 +268,20 @@ class RegionCapture:
                 f"{variants} accumulating dW graph(s); replays {self.replays}")
 
     # -- dI -------------------------------------------------------------------------------------
-    def run_di(self, fn: BoxedFn, args: list[Any], n_outputs: int) -> tuple[list[Any], Slot | None] | None:
+    def run_di(
+        self, fn: BoxedFn, args: list[Any], n_outputs: int, copied: Sequence[int] = ()
+    ) -> tuple[list[Any], Slot | None] | None:
         """Replay (capturing first where needed) the dI graph on ``args``:
         ``(outputs, slot)`` with the first ``n_outputs`` copied out and the
         rest (live-ins) the slot's buffers, or ``None`` when this call must
-        run uncaptured."""
+        run uncaptured. The outputs at ``copied`` (live-ins that are dI's own
+        inputs: saved activations, which may live in memory another graph
+        replays into) are copied into the slot by the captured graph itself,
+        so that W reads the slot only."""
         if self.status != "captured":
             return None
+        if copied:
+            fn = _copying(fn, copied)
         key = _ptrs(args)
         with self._lock:
             slot = next((s for s in self.slots if s.key == key and not s.busy and s.di is not None), None)
@@ -260,7 +301,7 @@ class RegionCapture:
                     return None
                 slot.di = _Graph(handle, outs)
                 self.slots.append(slot)
-            slot.holder = _PENDING  # busy until the caller hands it to its W work
+            slot.holder = _TAKEN  # busy until the caller hands it to its W work, or releases it
         self.backend.replay(slot.di.handle)  # type: ignore[union-attr]
         self.replays["dI"] += 1
         outs = slot.di.outs  # type: ignore[union-attr]
@@ -330,14 +371,21 @@ class RegionCapture:
         return _clone_out(graph.outs)
 
 
-class _Pending:
-    """Holds a slot between dI's replay and the W work that takes it over."""
+class _Taken:
+    """Marks a slot taken between dI's replay and the W work that holds it
+    (``Slot.hold``) or the caller that gives it back (``Slot.release``)."""
 
     pending = True
 
 
-_PENDING_OBJ = _Pending()
-_PENDING = weakref.ref(_PENDING_OBJ)
+_TAKEN_MARK = _Taken()
+
+
+def _taken() -> _Taken:
+    return _TAKEN_MARK
+
+
+_TAKEN = _taken  # called like a weak reference: Slot.busy reads holder()
 
 
 @contextlib.contextmanager

@@ -836,7 +836,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         call would do exactly that assignment, at the cost of an engine call."""
         candidates = [
             k for k, gs in compiled.items()
-            if len(gs) == 1 and by_id[k][0].grad is None and self._fusion_allowed(self.compiled[origin[k]], switch)
+            if len(gs) == 1 and type(gs[0]) is torch.Tensor and by_id[k][0].grad is None
+            and self._fusion_allowed(self.compiled[origin[k]], switch)
         ]
         if not candidates:
             return []
@@ -846,6 +847,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         shared: set[int] = set()
         for gs in compiled.values():
             for g in gs:
+                if type(g) is not torch.Tensor:  # a DTensor's local storage is not its own to compare
+                    continue
                 ptr = g.untyped_storage().data_ptr()
                 (shared if ptr in seen else seen).add(ptr)
         live: dict[int, set[int]] = {}

@@ -32,14 +32,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from fxsplit import _torch_internals as ti
 from fxsplit.gradient_layout import GradientLayout, WeightGradient
-from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend
+from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend, copy_exactly
 from fxsplit.layouts import BoundaryGuard
 from fxsplit.passes import SplitResult
 
@@ -297,6 +297,8 @@ class RegionGraphs(Protocol):
 
     def di_boundary(self) -> tuple[list[Any], list[str], list[bool]]: ...
 
+    def forward_cudagraphs_notice(self) -> Callable[[], None] | None: ...
+
     def compile_accumulating(
         self, positions: tuple[int, ...], grads: Sequence[torch.Tensor]
     ) -> ti.BoxedCallable | None: ...
@@ -336,6 +338,15 @@ class CompiledSplitBackward:
         self.cudagraphs = cudagraphs
         self._capture: RegionCapture | None = None
         self._capture_decided = False
+        # With CUDA graphs, the forward replays through Inductor's cudagraph
+        # trees: what B tells them when dI runs, and the live-ins that are the
+        # backward's own inputs (saved activations in the trees' memory), which
+        # W must not read there (the trees may free them): dI's outputs copy them.
+        self._tree_notice: Callable[[], None] | None = None
+        n = len(split.di_outputs)
+        self._passthrough = tuple(
+            n + k for k, live in enumerate(split.live_ins) if live.source == "input" and live.kind == "tensor"
+        )
         self.split = split
         self.graphs = graphs
         self.name = name
@@ -511,6 +522,8 @@ class CompiledSplitBackward:
         devices = {a.device for a in args if isinstance(a, torch.Tensor)}
         device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
         backend = capture_backend(device)
+        notice = getattr(self.graphs, "forward_cudagraphs_notice", None)
+        self._tree_notice = notice() if notice is not None else None
         self._capture = RegionCapture(self.name, backend, device)  # type: ignore[arg-type]
         if backend is None:
             where = ", ".join(sorted(str(d) for d in devices)) or "no device"
@@ -581,12 +594,17 @@ class CompiledSplitBackward:
         guard = self.boundary
         n = len(self.split.di_outputs)
         capture = self._capture_for(args)
+        if self._tree_notice is not None:
+            self._tree_notice()  # a backward runs: the trees keep the forwards waiting for one
         t0 = time.perf_counter_ns()
-        replayed = capture.run_di(self._run_di, args, n) if capture is not None else None
+        replayed = capture.run_di(self._run_di, args, n, self._passthrough) if capture is not None else None
         if replayed is not None:
             outs, slot = replayed
         else:
             outs, slot = list(self._run_di(args)), None
+            if self._tree_notice is not None:
+                for i in self._passthrough:  # out of the trees' memory, for W
+                    outs[i] = copy_exactly(outs[i])
         self._count("dI", time.perf_counter_ns() - t0, timings, "b_graph_ns")
         guard(outs)
         self.stats["di_runs"] += 1
@@ -640,6 +658,16 @@ class CompiledSplitBackward:
             self._subclass_grads = ti.SubclassGradients.of(node)
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
+        try:
+            return self._record(call, node, edges, di_vals, live, slot)
+        except BaseException:
+            if slot is not None:
+                slot.release_if_untaken()  # B failed before its W work took the slot over
+            raise
+
+    def _record(
+        self, call: InputCall, node: Any, edges: Sequence[Any], di_vals: list[Any], live: list[Any], slot: Slot | None
+    ) -> list[Any]:
         if call.release_saved and node not in call.keep:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.

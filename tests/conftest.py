@@ -54,6 +54,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: a large multi-process run (8 ranks); runs by default, `-m \"not slow\"` leaves it out"
     )
+    config.addinivalue_line(
+        "markers", "cuda: the CUDA tier (tests/test_cuda.py): needs a CUDA device and skips, saying so, without one"
+    )
 
 
 @pytest.fixture(autouse=True)

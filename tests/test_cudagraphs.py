@@ -232,3 +232,44 @@ def test_a_replay_that_raises_while_accumulating_is_the_loud_case(
     monkeypatch.setattr(simulated, "replay", real)
     with pytest.raises(RuntimeError, match="cannot be repeated"):
         fxsplit.stage_backward_weight(params, work)
+
+
+class _IntoBuffer(torch.autograd.Function):
+    """Writes ``x * w`` into one persistent buffer and returns it, as Inductor's
+    cudagraph trees return the same output tensor object from every replay."""
+
+    buffer: torch.Tensor | None = None
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        if _IntoBuffer.buffer is None:
+            _IntoBuffer.buffer = torch.empty_like(x)
+        with torch.no_grad():
+            torch.mul(x, w, out=_IntoBuffer.buffer)
+        return _IntoBuffer.buffer
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+def test_an_output_object_reused_by_the_next_forward_is_a_new_microbatch() -> None:
+    """B marks the outputs it ran on; a later forward that returns the same tensor
+    object (cudagraph trees do) is a new microbatch, and B twice on one still raises."""
+    w = nn.Parameter(torch.randn(4))
+    _IntoBuffer.buffer = None
+    works = []
+    for step in range(3):
+        x = torch.randn(2, 4, requires_grad=True)
+        out = _IntoBuffer.apply(x, w)
+        assert out is _IntoBuffer.buffer
+        (dx,), work = fxsplit.stage_backward_input([out], [torch.ones(2, 4)], [x], [w])
+        torch.testing.assert_close(dx, w.detach().expand(2, 4))
+        works.append(work)
+        with pytest.raises(RuntimeError, match="already ran"):
+            fxsplit.stage_backward_input([out], [torch.ones(2, 4)], [x], [w])
+    for work in works:
+        fxsplit.stage_backward_weight([w], work)
+    assert w.grad is not None
