@@ -502,6 +502,16 @@ def is_accumulate_grad(node: Any) -> bool:
     return type(node).__name__ == "AccumulateGrad"
 
 
+@functools.cache
+def accumulate_grad_type() -> type:
+    """The Python type of a weight's grad accumulator node (``AccumulateGrad``)."""
+    leaf = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+    assert is_accumulate_grad(node), type(node)
+    return type(node)
+
+
 def autocast_disabled() -> Any:
     """Turn autocast off, as AOTAutograd does around compiled graphs that were
     traced with autocast on (``torch._C._DisableAutocast``)."""

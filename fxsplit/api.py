@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from fxsplit import _torch_internals as ti
-from fxsplit.fallback import EagerWeightPlan, gradient_edge, plan_eager_weight_work
+from fxsplit.fallback import EagerWeightPlan, compiled_only_plan, gradient_edge, plan_eager_weight_work
 from fxsplit.pending import PendingWeightGrads
 from fxsplit.runtime import InputCall, registered, run_directly
 
@@ -191,8 +192,25 @@ def _check_grads(outs: Sequence[Output], grads: list[Any]) -> list[torch.Tensor]
     return checked
 
 
+def _light_edge(o: Output) -> Output:
+    """The edge a stage output's gradient flows into, without the ownership
+    token ``get_gradient_edge`` makes for a Python autograd node (a view op):
+    only for B's own use, while the output keeps its graph alive."""
+    if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+        return GradientEdge(o.grad_fn, o.output_nr)
+    return gradient_edge(o)
+
+
+# The last weights _weights_list found to be parameters (weakly), so that a
+# stage handing the same weights to every B and W checks them once.
+_CHECKED_WEIGHTS: list[tuple[Any, ...]] = [()]
+
+
 def _weights_list(weights: Weights) -> list[torch.Tensor]:
     result = list(weights)
+    last = _CHECKED_WEIGHTS[0]
+    if len(last) == len(result) and all(r() is w for r, w in zip(last, result)):
+        return result
     for w in result:
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"fxsplit: weights must be tensors, got {type(w).__name__}")
@@ -201,6 +219,8 @@ def _weights_list(weights: Weights) -> list[torch.Tensor]:
                 f"fxsplit: weights must be leaf tensors (parameters); got a non-leaf tensor of shape "
                 f"{tuple(w.shape)} produced by {w.grad_fn.name()}"
             )
+    if all(isinstance(w, torch.nn.Parameter) for w in result):  # a leaf Parameter stays one
+        _CHECKED_WEIGHTS[0] = tuple(weakref.ref(w) for w in result)
     return result
 
 
@@ -253,10 +273,21 @@ def stage_backward_input(
     outs, grads_raw = _flatten_outputs(stage_outputs_or_loss, output_grads)
     grads = _check_grads(outs, grads_raw)
 
-    out_edges = [gradient_edge(o) for o in outs]
     grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
-    input_nodes = [gradient_edge(v).node for _, v in grad_inputs] if outs else []
-    plan = plan_eager_weight_work(out_edges, input_nodes, weights)
+    # A stage of compiled regions only (the common case) is planned from the
+    # outputs' nodes in one walk; anything else by the general plan, from edges
+    # that keep their graph alive (W may start autograd there).
+    out_edges = [_light_edge(o) for o in outs]
+    plan = None
+    if outs and grad_inputs:
+        plan = compiled_only_plan(
+            out_edges, [v.grad_fn for _, v in grad_inputs if v.grad_fn is not None], weights,
+            [v for _, v in grad_inputs if v.grad_fn is None],
+        )
+    if plan is None:
+        input_nodes = [gradient_edge(v).node for _, v in grad_inputs] if outs else []
+        out_edges = [gradient_edge(o) for o in outs]
+        plan = plan_eager_weight_work(out_edges, input_nodes, weights)
     # A first stage (no input needs a gradient): B captures the gradients
     # flowing into its bottom regions, then runs their dI graphs itself.
     captures = plan.captures
@@ -322,7 +353,6 @@ def stage_backward_input(
     del captures
     work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
     work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
-    ran = sorted({r.region for r in call.records})
     if retain:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
         anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]
         if anchors:
@@ -346,7 +376,7 @@ def stage_backward_input(
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "fxsplit: B: dI ran compiled in %s, eager autograd for the rest; W pending: %s",
-            ", ".join(ran) or "no region", work.summary(),
+            ", ".join(sorted({r.region for r in work.compiled})) or "no region", work.summary(),
         )
     work.timings["b_ns"] = time.perf_counter_ns() - t0
     return tuple(dinputs), work
@@ -375,6 +405,9 @@ def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> Pendin
         )
     if param_groups.done:
         raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
+    expected_weights = param_groups.weights
+    if len(expected_weights) == len(weights) and all(a is b for a, b in zip(expected_weights, weights)):
+        return param_groups  # the same weights in the same order: the common case
     given = {id(w) for w in weights}
     expected = {id(w) for w in param_groups.weights}
     if given != expected:

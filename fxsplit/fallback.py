@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -59,7 +60,7 @@ from torch.autograd.graph import GradientEdge, Node
 from fxsplit import _torch_internals as ti
 from fxsplit.runtime import CompiledSplitBackward
 
-__all__ = ["EagerWeightPlan", "WeightGroup", "gradient_edge", "plan_eager_weight_work"]
+__all__ = ["EagerWeightPlan", "WeightGroup", "compiled_only_plan", "gradient_edge", "plan_eager_weight_work"]
 
 
 def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
@@ -70,8 +71,19 @@ def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
     return torch.autograd.graph.get_gradient_edge(t)
 
 
+# Whether a region's autograd Function class runs an fxsplit split backward: asked
+# for every node of every B, so answered once per class.
+_SPLIT_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
 def is_split_region(node: Node) -> bool:
-    return isinstance(ti.compiled_backward_of(node), CompiledSplitBackward)
+    cls = getattr(node, "_forward_cls", None)
+    if cls is None:
+        return False
+    known = _SPLIT_CLASSES.get(cls)
+    if known is None:
+        known = _SPLIT_CLASSES[cls] = isinstance(ti.compiled_backward_of(node), CompiledSplitBackward)
+    return known
 
 
 def _reverse_edges(roots: Iterable[Node]) -> dict[Node, list[Node]]:
@@ -315,8 +327,11 @@ def _bottom_regions(
     return bottom, [GradientEdge(n, nr) for n, nr in edges]
 
 
-def _compiled_only_plan(
-    output_edges: Sequence[GradientEdge], input_nodes: Sequence[Node], weights: Sequence[torch.Tensor]
+def compiled_only_plan(
+    output_edges: Sequence[GradientEdge],
+    input_nodes: Sequence[Node],
+    weights: Sequence[torch.Tensor],
+    input_leaves: Sequence[torch.Tensor] = (),
 ) -> EagerWeightPlan | None:
     """The plan of a stage whose backward is fxsplit-compiled regions only (the
     common case: a stage compiled whole, or in pieces across graph breaks), or
@@ -325,14 +340,21 @@ def _compiled_only_plan(
     Such a stage has nothing for eager autograd to do in W: every node below
     the outputs is a split region, the gradient node of a stage input, or the
     grad accumulator of a given ``nn.Parameter`` (whose gradient a region's dW
-    graph computes), and every region leads to a stage input. One walk over those nodes decides it, instead of the per-weight
-    walks of the general plan (the same result, without its cost on every B).
+    graph computes), and every region leads to a stage input.
+    ``input_leaves``: stage inputs that are leaves, known by their grad
+    accumulator's variable (finding the accumulator itself costs a view op).
+    One walk over those nodes decides it, instead of the per-weight walks of
+    the general plan (the same result, without its cost on every B).
     """
-    if not input_nodes:
+    if not input_nodes and not input_leaves:
         return None
     inputs = set(input_nodes)
+    leaves = {id(t) for t in input_leaves}
     given = {id(w) for w in weights if w.requires_grad}
-    regions: dict[Node, None] = {}
+    accumulate_grad = ti.accumulate_grad_type()
+    parameter = torch.nn.Parameter
+    # region -> the nodes below it that are regions or inputs (for the check below)
+    regions: dict[Node, list[Node]] = {}
     found: set[int] = set()
     queue = [e.node for e in output_edges]
     while queue:
@@ -341,19 +363,27 @@ def _compiled_only_plan(
             continue
         if not is_split_region(node):
             return None
-        regions[node] = None
+        below: list[Node] = []
+        regions[node] = below
         for child, _ in node.next_functions:
-            if child is None or child in inputs or child in regions:
+            if child is None:
                 continue
-            if ti.is_accumulate_grad(child):
-                variable = getattr(child, "variable", None)
-                if id(variable) not in given or not isinstance(variable, torch.nn.Parameter):
+            if type(child) is accumulate_grad:
+                variable = child.variable
+                key = id(variable)
+                if key in leaves:
+                    inputs.add(child)
+                    below.append(child)
+                elif key in given and isinstance(variable, parameter):
+                    found.add(key)
+                else:
                     # A leaf that is not a given weight, or a plain-tensor weight (a region
                     # computes its gradient in dI, as an input's): the general plan handles it.
                     return None
-                found.add(id(variable))
             else:
-                queue.append(child)
+                below.append(child)
+                if child not in inputs and child not in regions:
+                    queue.append(child)
     if not regions or found != given:
         return None  # a given weight the outputs do not use: the general plan checks the weights
     # Every region must lead to a stage input (else its whole backward is W work).
@@ -361,8 +391,8 @@ def _compiled_only_plan(
     grew = True
     while grew:  # a fixpoint: regions are few
         grew = False
-        for node in regions:
-            if node not in reaches and any(c in inputs or c in reaches for c, _ in node.next_functions):
+        for node, below in regions.items():
+            if node not in reaches and any(c in inputs or c in reaches for c in below):
                 reaches.add(node)
                 grew = True
     if len(reaches) != len(regions):
@@ -385,7 +415,7 @@ def plan_eager_weight_work(
     of them are not used by the stage outputs while parameters the outputs
     do use were not given.
     """
-    fast = _compiled_only_plan(output_edges, input_nodes, weights)
+    fast = compiled_only_plan(output_edges, input_nodes, weights)
     if fast is not None:
         return fast
     roots = [e.node for e in output_edges]

@@ -309,8 +309,94 @@ def takes_gradient_like_autograd(
         and not weight._backward_hooks
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
         and getattr(weight, "grad_dtype", None) in (None, grad.dtype)
+        and grad._base is None  # an autograd view: its base is held too (autograd would copy it)
         and grad.untyped_storage().data_ptr() not in avoid
     )
+
+
+class _AccumulationCheck:
+    """The outcome of :func:`accumulates_like_autograd` for one region's
+    weights, kept for the weights and ``.grad`` tensors it was decided on
+    (weakly), with each ``.grad``'s storage and dtype.
+
+    What the check reads of a ``.grad`` tensor (its dtype, device, shape,
+    layout, density, type, whether it requires grad) stays as long as it is
+    the same tensor, so W decides once per set of ``.grad`` tensors; what can
+    change on the weight without replacing ``.grad`` (hooks, ``grad_dtype``)
+    is read again every time."""
+
+    __slots__ = ("params", "grads", "positions", "storages", "dtypes")
+
+    def __init__(self, params: tuple[Any, ...], grads: tuple[Any, ...], positions: tuple[int, ...],
+                 storages: dict[int, int], dtypes: dict[int, torch.dtype]) -> None:
+        self.params = params
+        self.grads = grads
+        self.positions = positions
+        self.storages = storages
+        self.dtypes = dtypes
+
+
+_ACCUMULATION_CHECKS: weakref.WeakKeyDictionary[Any, _AccumulationCheck] = weakref.WeakKeyDictionary()
+
+
+def _accumulating_like_autograd(record: CompiledWeightWork, wanted: set[int], multi: set[int]) -> tuple[int, ...]:
+    """Positions (in ``record.params``) of the wanted weights, with a gradient
+    from this record only, whose ``.grad`` W may add into in place inside the
+    dW graph (:func:`accumulates_like_autograd`, and a ``.grad`` that shares
+    no storage with the record's live-ins, which that graph reads)."""
+    params = record.params
+    owner = record.owner
+    check = _ACCUMULATION_CHECKS.get(owner)
+    if check is None or not _same(check, params):
+        check = _decide(owner, params)
+    positions = []
+    for k in check.positions:
+        p = params[k]
+        if (
+            id(p) in wanted
+            and id(p) not in multi
+            and not p._backward_hooks
+            and not getattr(p, "_post_accumulate_grad_hooks", None)
+            and getattr(p, "grad_dtype", None) in (None, check.dtypes[k])
+        ):
+            positions.append(k)
+    if positions:
+        live = record.live_in_storages()
+        positions = [k for k in positions if check.storages[k] not in live]
+    return tuple(positions)
+
+
+def _same(check: _AccumulationCheck, params: Sequence[Any]) -> bool:
+    """Whether ``params`` and their ``.grad`` tensors are those ``check`` decided on."""
+    if len(check.params) != len(params):
+        return False
+    for r, g, p in zip(check.params, check.grads, params):
+        if p is None:
+            if r is not None:
+                return False
+        else:
+            grad = p.grad
+            if r is None or g is None or grad is None or r() is not p or g() is not grad:
+                return False
+    return True
+
+
+def _decide(owner: Any, params: Sequence[Any]) -> _AccumulationCheck:
+    dtypes = owner.weight_grad_dtypes
+    positions = tuple(
+        k for k, p in enumerate(params)
+        if p is not None and accumulates_like_autograd(p, dtypes[k] if k < len(dtypes) else None)
+    )
+    check = _AccumulationCheck(
+        tuple(None if p is None else weakref.ref(p) for p in params),
+        tuple(None if p is None or p.grad is None else weakref.ref(p.grad) for p in params),
+        positions,
+        {k: params[k].grad.untyped_storage().data_ptr() for k in positions},
+        {k: params[k].grad.dtype for k in positions},
+    )
+    if all(g is not None for g, p in zip(check.grads, params) if p is not None):  # every .grad exists
+        _ACCUMULATION_CHECKS[owner] = check
+    return check
 
 
 class ParamGroup(Mapping[str, Any]):
@@ -674,22 +760,10 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         multi = self._multi_source()
         result: dict[int, tuple[int, ...]] = {}
         for i, record in enumerate(self.compiled):
-            if not self._fusion_allowed(record, switch):
-                continue
-            dtypes = record.owner.weight_grad_dtypes
-            positions = tuple(
-                k
-                for k, p in enumerate(record.params)
-                if p is not None
-                and id(p) in wanted
-                and id(p) not in multi
-                and accumulates_like_autograd(p, dtypes[k] if k < len(dtypes) else None)
-            )
-            if positions:  # a .grad that shares a storage with a live-in is read by the graph itself
-                live = record.live_in_storages()
-                positions = tuple(k for k in positions if record.params[k].grad.untyped_storage().data_ptr() not in live)
-            if positions:
-                result[i] = positions
+            if self._fusion_allowed(record, switch):
+                positions = _accumulating_like_autograd(record, wanted, multi)
+                if positions:
+                    result[i] = positions
         return result
 
     @staticmethod
@@ -841,8 +915,10 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         ]
         if not candidates:
             return []
-        eager = {id(w) for g in self.groups for w in g.weights}
-        # A storage two gradients share, or a live-in holds, is someone else's too: autograd would copy it.
+        eager = {id(w) for g in self.groups for w in g.weights} if self.groups else set()
+        # A storage two gradients share, or that others hold (the backward's own
+        # inputs, the input gradients B returned), is someone else's too: autograd
+        # would copy it. A live-in dI computed is W's alone (dropped when W ends).
         seen: set[int] = set()
         shared: set[int] = set()
         for gs in compiled.values():
@@ -851,16 +927,16 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     continue
                 ptr = g.untyped_storage().data_ptr()
                 (shared if ptr in seen else seen).add(ptr)
-        live: dict[int, set[int]] = {}
+        avoid: dict[int, set[int]] = {}
         direct = []
         for k in candidates:
             if k in eager:
                 continue
             i = origin[k]
-            if i not in live:
-                live[i] = self.compiled[i].live_in_storages() | shared
+            if i not in avoid:
+                avoid[i] = shared | self.compiled[i].held_elsewhere
             weight, grad = by_id[k][0], compiled[k][0]
-            if takes_gradient_like_autograd(weight, grad, live[i]):
+            if takes_gradient_like_autograd(weight, grad, avoid[i]):
                 direct.append((weight, grad))
                 del compiled[k]
         return direct

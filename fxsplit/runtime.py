@@ -32,6 +32,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -179,7 +180,7 @@ class CompiledWeightWork:
     drops the live-ins once W has committed the gradients.
     """
 
-    __slots__ = ("_owner", "_live_ins", "params", "accumulators", "slot", "__weakref__")
+    __slots__ = ("_owner", "_live_ins", "params", "accumulators", "slot", "held_elsewhere", "_storages", "__weakref__")
 
     def __init__(
         self,
@@ -188,9 +189,15 @@ class CompiledWeightWork:
         params: list[torch.Tensor | None],
         accumulators: list[Any] | None = None,
         slot: Slot | None = None,
+        held_elsewhere: frozenset[int] = frozenset(),
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
+        # Storages (data pointers) of tensors others hold too: live-ins that are
+        # the backward's own inputs, the input gradients B returned. A dW output
+        # in one of them is someone else's, as autograd would see it.
+        self.held_elsewhere = held_elsewhere
+        self._storages: set[int] | None = None
         # The CUDA graph slot whose buffers hold the live-ins (fxsplit.cudagraphs), held until release.
         self.slot = slot
         if slot is not None:
@@ -268,10 +275,13 @@ class CompiledWeightWork:
     def live_in_storages(self) -> set[int]:
         """Data pointers of the live-ins' storages (a ``.grad`` sharing one must
         not be written inside the graph that reads it)."""
-        return {v.untyped_storage().data_ptr() for v in self._live_ins or () if isinstance(v, torch.Tensor)}
+        if self._storages is None:
+            self._storages = {v.untyped_storage().data_ptr() for v in self._live_ins or () if isinstance(v, torch.Tensor)}
+        return self._storages
 
     def release(self) -> None:
         self._live_ins = None
+        self._storages = None
         if self.slot is not None:
             self.slot.release()
             self.slot = None
@@ -370,6 +380,9 @@ class CompiledSplitBackward:
         # Conforms what compiled dI returns to what autograd and dW expect
         # (built with dW, whose input layouts it checks).
         self._boundary: BoundaryGuard | None = None
+        # The accumulating dW graph last chosen, with the .grad tensors (weakly)
+        # it was chosen for: W on the same .grad tensors skips the layout key.
+        self._last_accumulating: tuple[tuple[int, ...], tuple[Any, ...], Any] | None = None
         # Callables that tools and tests put in place of a graph (see _run_di).
         self._replaced: dict[str, ti.BoxedCallable] = {}
         out_vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
@@ -457,9 +470,19 @@ class CompiledSplitBackward:
         """The dW graph that accumulates its outputs at ``positions`` into
         tensors laid out as ``grads``, compiled on first use (``None`` if the
         backend cannot build it)."""
+        last = self._last_accumulating
+        if (
+            last is not None
+            and last[0] == positions
+            and len(last[1]) == len(grads)
+            and all(r() is g for r, g in zip(last[1], grads))
+        ):
+            return last[2]  # the same .grad tensors as last time: the same layouts
         key = ("dW+accumulate", positions, tuple((tuple(g.stride()), g.dtype, g.device) for g in grads))
         if key in self._compiled:
-            return self._compiled[key]
+            fn = self._compiled[key]
+            self._last_accumulating = (positions, tuple(weakref.ref(g) for g in grads), fn)
+            return fn
         self._graph("dW")  # the variant is compiled for the live-ins' layout, as dW
         with self._lock:
             if key not in self._compiled:
@@ -673,7 +696,13 @@ class CompiledSplitBackward:
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
         params, accumulators = self._params_of(edges, call.weight_ids)
-        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot))
+        n = len(di_vals)
+        held = frozenset(
+            t.untyped_storage().data_ptr()
+            for t in (*di_vals, *(live[i - n] for i in self._passthrough))
+            if type(t) is torch.Tensor
+        )
+        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot, held))
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.

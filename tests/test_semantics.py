@@ -939,3 +939,26 @@ def test_an_output_given_no_gradient_behaves_as_under_torch_compile() -> None:
     assert len(split_hooks) == len(compiled_hooks)
     for s, c in zip(split_hooks, compiled_hooks):
         torch.testing.assert_close(s, c)
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_empty_grad_takes_no_view_after_w_as_after_ordinary_backward(compiler: str) -> None:
+    """W sets an empty .grad to the dW graph's gradient itself where autograd would
+    take it; a gradient that is a view of a live-in (a bias gradient dI computed
+    as a keep-dim sum) is no such tensor: .grad is no view after W, as after
+    ordinary backward, and every .grad has ordinary backward's strides."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    split, ordinary = copy.deepcopy(base), copy.deepcopy(base)
+    backend = fxsplit.backend(compiler=compiler)
+    fs, fo = torch.compile(split, backend=backend), torch.compile(ordinary, backend=backend)
+    x, g = torch.randn(3, 5, 8, requires_grad=True), torch.randn(3, 5, 8)
+    fo(x).backward(g)
+    xi = x.detach().requires_grad_()
+    _, work = fxsplit.stage_backward_input([fs(xi)], [g], [xi], list(split.parameters()))
+    fxsplit.stage_backward_weight(list(split.parameters()), work)
+    assert work.handed_over, "W took no gradient as it is"
+    for (name, p), q in zip(split.named_parameters(), ordinary.parameters()):
+        assert (p.grad._base is None) == (q.grad._base is None), name
+        assert p.grad.stride() == q.grad.stride(), name
+        torch.testing.assert_close(p.grad, q.grad)
