@@ -183,6 +183,13 @@ def cudagraph_trees_notice(compile_kwargs: dict[str, Any]) -> Callable[[], None]
     return None if manager is None else manager.set_to_running_backward
 
 
+def tangent_positions(gm: fx.GraphModule) -> list[int]:
+    """Positions of a backward graph's inputs that are output gradients.
+    Relies on AOTAutograd naming them ``tangents_<n>`` (the saved activations
+    and symbols have other names)."""
+    return [k for k, p in enumerate(gm.graph.find_nodes(op="placeholder")) if p.name.startswith("tangents")]
+
+
 def no_cudagraphs() -> Any:
     """A ``cudagraphs`` argument for ``compile_fx_inner`` that turns them off.
     Split graphs exchange live-ins and must not be captured in CUDA graphs."""

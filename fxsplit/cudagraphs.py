@@ -158,8 +158,16 @@ def capture_backend(device: torch.device) -> CaptureBackend | None:
     return None
 
 
-def _ptrs(args: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+def _ptrs(args: Sequence[Any], copied: frozenset[int] = frozenset()) -> tuple[Any, ...]:
+    """The key of a slot: where each tensor argument lies (a CPU scalar by its
+    value: a capture reads it on the host), nothing for those copied in."""
+    return tuple(
+        None if i in copied
+        else (("cpu", a.item()) if a.device.type == "cpu" and a.dim() == 0 else a.data_ptr())
+        if isinstance(a, torch.Tensor)
+        else a
+        for i, a in enumerate(args)
+    )
 
 
 class _Graph:
@@ -175,11 +183,14 @@ class _Graph:
 class Slot:
     """One captured dI graph and the dW graphs captured against its outputs."""
 
-    __slots__ = ("key", "pool", "di", "dw", "variants", "holder", "__weakref__")
+    __slots__ = ("key", "pool", "inputs", "di", "dw", "variants", "holder", "__weakref__")
 
     def __init__(self, key: tuple[Any, ...], pool: Any) -> None:
         self.key = key
         self.pool = pool
+        # dI inputs copied into the slot at every replay (the output gradients,
+        # which come from wherever the caller has them): position -> buffer
+        self.inputs: dict[int, torch.Tensor] = {}
         self.di: _Graph | None = None
         self.dw: _Graph | None = None
         # (dW output positions accumulated, .grad addresses) -> graph
@@ -269,7 +280,12 @@ class RegionCapture:
 
     # -- dI -------------------------------------------------------------------------------------
     def run_di(
-        self, fn: BoxedFn, args: list[Any], n_outputs: int, copied: Sequence[int] = ()
+        self,
+        fn: BoxedFn,
+        args: list[Any],
+        n_outputs: int,
+        copied: Sequence[int] = (),
+        copied_inputs: frozenset[int] = frozenset(),
     ) -> tuple[list[Any], Slot | None] | None:
         """Replay (capturing first where needed) the dI graph on ``args``:
         ``(outputs, slot)`` with the first ``n_outputs`` copied out and the
@@ -277,12 +293,14 @@ class RegionCapture:
         run uncaptured. The outputs at ``copied`` (live-ins that are dI's own
         inputs: saved activations, which may live in memory another graph
         replays into) are copied into the slot by the captured graph itself,
-        so that W reads the slot only."""
+        so that W reads the slot only. The inputs at ``copied_inputs`` (the
+        output gradients, fresh tensors every microbatch) are copied into the
+        slot before each replay instead of keying it."""
         if self.status != "captured":
             return None
         if copied:
             fn = _copying(fn, copied)
-        key = _ptrs(args)
+        key = _ptrs(args, copied_inputs)
         with self._lock:
             slot = next((s for s in self.slots if s.key == key and not s.busy and s.di is not None), None)
             if slot is None:
@@ -294,14 +312,18 @@ class RegionCapture:
                     return None
                 slot = Slot(key, self.backend.pool(self.device))
                 try:
-                    self.backend.warm_up(fn, args, self.device)
-                    handle, outs = self.backend.capture(fn, args, slot.pool, self.device)
+                    slot.inputs = {i: copy_exactly(args[i]) for i in copied_inputs if isinstance(args[i], torch.Tensor)}
+                    static = [slot.inputs.get(i, a) for i, a in enumerate(args)]
+                    self.backend.warm_up(fn, static, self.device)
+                    handle, outs = self.backend.capture(fn, static, slot.pool, self.device)
                 except Exception as e:  # noqa: BLE001 - a capture that cannot be made is reported, not fatal
                     self.disable(f"capturing the dI graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                     return None
                 slot.di = _Graph(handle, outs)
                 self.slots.append(slot)
             slot.holder = _TAKEN  # busy until the caller hands it to its W work, or releases it
+        for i, buffer in slot.inputs.items():
+            buffer.copy_(args[i])
         self.backend.replay(slot.di.handle)  # type: ignore[union-attr]
         self.replays["dI"] += 1
         outs = slot.di.outs  # type: ignore[union-attr]

@@ -357,6 +357,8 @@ class CompiledSplitBackward:
         self._passthrough = tuple(
             n + k for k, live in enumerate(split.live_ins) if live.source == "input" and live.kind == "tensor"
         )
+        # The output gradients among dI's inputs (copied into a CUDA graph slot, not keying it).
+        self._tangents = frozenset(ti.tangent_positions(split.di_graph))
         self.split = split
         self.graphs = graphs
         self.name = name
@@ -542,7 +544,8 @@ class CompiledSplitBackward:
         self._capture_decided = True
         if not self.cudagraphs:
             return None
-        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        # A CPU scalar (an RNG seed saved for backward) is read on the host: it keys the slot by value.
+        devices = {a.device for a in args if isinstance(a, torch.Tensor) and not (a.device.type == "cpu" and a.dim() == 0)}
         device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
         backend = capture_backend(device)
         notice = getattr(self.graphs, "forward_cudagraphs_notice", None)
@@ -620,7 +623,9 @@ class CompiledSplitBackward:
         if self._tree_notice is not None:
             self._tree_notice()  # a backward runs: the trees keep the forwards waiting for one
         t0 = time.perf_counter_ns()
-        replayed = capture.run_di(self._run_di, args, n, self._passthrough) if capture is not None else None
+        replayed = (
+            capture.run_di(self._run_di, args, n, self._passthrough, self._tangents) if capture is not None else None
+        )
         if replayed is not None:
             outs, slot = replayed
         else:

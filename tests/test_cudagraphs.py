@@ -273,3 +273,27 @@ def test_an_output_object_reused_by_the_next_forward_is_a_new_microbatch() -> No
     for work in works:
         fxsplit.stage_backward_weight([w], work)
     assert w.grad is not None
+
+
+def test_output_gradients_are_copied_in_and_cpu_scalars_key_by_value() -> None:
+    """A fresh output-gradient tensor every microbatch does not key a slot (it is
+    copied into the slot's buffer before the replay); a CPU scalar input keys it
+    by its value (a capture reads it on the host)."""
+    capture = RegionCapture("region-test", SimulatedCapture(), torch.device("cpu"))
+    w = torch.randn(4, 4)
+
+    def di(args: list[Any]) -> list[Any]:
+        x, g, scale = args
+        return [g @ w.T * scale, x * g]
+
+    x = torch.randn(3, 4)
+    seen = []
+    for value in (2.0, 2.0, 3.0):
+        g = torch.randn(3, 4)  # a new tensor, at a new address, every time
+        scale = torch.tensor(value)
+        (dx, live), slot = capture.run_di(di, [x, g, scale], 1, copied_inputs=frozenset({1}))
+        torch.testing.assert_close(dx, g @ w.T * value)
+        torch.testing.assert_close(live, x * g)
+        slot.release()
+        seen.append(slot)
+    assert seen[0] is seen[1] and seen[2] is not seen[0] and len(capture.slots) == 2
