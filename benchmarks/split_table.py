@@ -145,11 +145,13 @@ def measure(name: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtyp
                     _one(mods[mode], mode, x, g, timer, sync)
             sync()
             say(f"{name}: {' and '.join(pair)} compiled and warmed up in {time.perf_counter() - t0:.1f} s")
-            # gradients: fxsplit against its Inductor twin, after one more backward each
+            # gradients: fxsplit against its Inductor twin, after one more backward each,
+            # copied at once (with CUDA graphs, .grad lives in memory the next step reuses)
+            got: dict[str, list[torch.Tensor]] = {}
             for mode in pair:
                 _one(mods[mode], mode, x, g, timer, sync)
-            errors[pair[1]] = _check(pair[1], [p.grad for p in mods[pair[1]].parameters()],
-                                     [p.grad for p in mods[pair[0]].parameters()])
+                got[mode] = [p.grad.detach().clone() for p in mods[mode].parameters()]
+            errors[pair[1]] = _check(pair[1], got[pair[1]], got[pair[0]])
             for r in range(reps):
                 for mode in (pair if r % 2 == 0 else pair[::-1]):
                     samples[mode].append(_one(mods[mode], mode, x, g, timer, sync))
