@@ -62,6 +62,10 @@ def build_bench_parser(prog: str = "fxsplit bench") -> argparse.ArgumentParser:
     p.add_argument("--embedding", action="store_true",
                    help="gpt only: a first stage (embeddings + blocks) fed token ids; B then has no input "
                    "gradient to compute")
+    p.add_argument("--host-bound", action="store_true",
+                   help="host-bound sizes (width 128, 2 x 64 tokens, 2 layers): the host (autograd, Python around "
+                   "the graphs, kernel launches) costs as much as the graphs, as with a zero-bubble schedule's small "
+                   "microbatches on a GPU; written to <device>[-<model>]-host-bound.json")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, 3 repetitions and shared Inductor caches: a smoke test, not a benchmark "
                    "(its verdicts are marked unreliable); written to <device>[-<model>]-quick.json, never over a "

@@ -145,3 +145,18 @@ def test_malloc_retain_has_its_own_default_file() -> None:
     assert full.malloc == "default" and kept.malloc == "retain"
     assert full.out is not None and kept.out is not None
     assert kept.out.name == full.out.stem + "-malloc-retain.json"
+
+
+def test_host_bound_configuration() -> None:
+    """--host-bound: the issue's tiny stage (width 128, 2 x 64 tokens, 2 layers) on any device, with a file of its own."""
+    parser = cli.build_bench_parser()
+    s = settings.settings_from_args(parser.parse_args(["--device", "cpu", "--host-bound"]), parser)
+    assert (s.model.dim, s.model.batch, s.model.seq, s.model.layers) == (128, 2, 64, 2) and s.host_bound
+    assert s.out is not None and s.out.name.endswith("-host-bound.json")
+    s = settings.settings_from_args(parser.parse_args(["--device", "cpu", "--host-bound", "--model", "llama"]), parser)
+    assert s.model.name == "llama" and s.model.dim == 128 and s.out.name.endswith("-llama-host-bound.json")
+
+
+def test_host_bound_refuses_quick_and_conv(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--host-bound and --quick" in _error(["--device", "cpu", "--host-bound", "--quick"], capsys)
+    assert "--host-bound applies to" in _error(["--device", "cpu", "--host-bound", "--model", "conv"], capsys)

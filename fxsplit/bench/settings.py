@@ -43,6 +43,7 @@ class BenchSettings:
     out: Path | None = None
     chart: bool = True
     malloc: str = "default"  # or "retain" (CPU, glibc): see fxsplit.bench.allocator
+    host_bound: bool = False  # the host-bound sizes (_HOST_BOUND_SIZES)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,6 +54,10 @@ _DEFAULT_SIZES = {
     "llama": dict(batch=4, seq=128, layers=2, dim=256, heads=4),
     "moe": dict(batch=4, seq=128, layers=2, dim=256, heads=4),
 }
+# --host-bound: a stage small enough that the host (autograd, Python around the graphs, kernel
+# launches) costs as much as the graphs: the regime of a zero-bubble schedule's small microbatches
+# on a GPU, and of any tiny stage on a CPU. Width 128, 2 x 64 tokens, 2 layers.
+_HOST_BOUND_SIZES = dict(batch=2, seq=64, layers=2, dim=128)
 # Tiny sizes for --quick on a model this table does not list (a model added to MODELS).
 _GENERIC_QUICK = dict(batch=1, seq=16, layers=1, dim=32, heads=2)
 _QUICK_SIZES = {
@@ -124,6 +129,13 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
                            "float16" if device.type == "cuda" else "float32")
     _check_dtype(parser, dtype, device)
     sizes = dict((_QUICK_SIZES if args.quick else _DEFAULT_SIZES).get(args.model, _GENERIC_QUICK if args.quick else {}))
+    host_bound = getattr(args, "host_bound", False)
+    if host_bound:
+        if args.quick:
+            parser.error("--host-bound and --quick choose sizes both: give one")
+        if args.model == "conv":
+            parser.error("--host-bound applies to the transformer and MLP models (gpt, llama, moe, mlp)")
+        sizes.update(_HOST_BOUND_SIZES)
     for k in ("batch", "seq", "layers", "dim"):
         v = getattr(args, k)
         if v is not None:
@@ -149,11 +161,11 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         problem = allocator.glibc_problem()
         if problem is not None:
             parser.error(f"--malloc {args.malloc}: {problem}")
-    out = args.out or default_out_path(device, cfg, quick=args.quick, malloc=args.malloc)
+    out = args.out or default_out_path(device, cfg, quick=args.quick, malloc=args.malloc, host_bound=host_bound)
     _check_out(parser, out, args.quick)
     return BenchSettings(
         model=cfg, device=str(device), dtype=dtype, warm_cache=args.warm_cache or args.quick, quick=args.quick,
-        out=out, chart=not args.no_chart, malloc=args.malloc, **timing,
+        out=out, chart=not args.no_chart, malloc=args.malloc, host_bound=host_bound, **timing,
     )
 
 
@@ -177,13 +189,16 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text).strip("-")[:60] or "unknown"
 
 
-def default_out_path(device: torch.device, model: ModelConfig, quick: bool = False, malloc: str = "default") -> Path:
-    """``benchmarks/results/<device>[-<model>][-malloc-<choice>][-quick].json`` (the model only when it
-    is not the default gpt, the allocator only when it is not the default). A ``--quick`` run has a
-    file of its own, so it never replaces a full run's results."""
+def default_out_path(device: torch.device, model: ModelConfig, quick: bool = False, malloc: str = "default",
+                     host_bound: bool = False) -> Path:
+    """``benchmarks/results/<device>[-<model>][-host-bound][-malloc-<choice>][-quick].json`` (the model
+    only when it is not the default gpt, the allocator only when it is not the default). A ``--quick``
+    run has a file of its own, so it never replaces a full run's results."""
     stem = f"{device.type}-{_slug(device_name(device))}"
     if model.name != "gpt" or model.embedding:
         stem += f"-{model.name}" + ("-embedding" if model.embedding else "")
+    if host_bound:
+        stem += "-host-bound"
     if malloc != "default":
         stem += f"-malloc-{malloc}"
     if quick:
