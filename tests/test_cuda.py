@@ -358,3 +358,42 @@ def test_bench_quick_on_cuda(tmp_path: Path) -> None:
         if m.get("not_measurable"):
             continue
         assert m["backward_ms"] > 0 and m["forward_ms"] > 0, m["key"]
+
+
+# -- expert parallelism (issue 28) -----------------------------------------------------------------
+
+
+def test_expert_parallel_stage_with_nccl_and_grouped_mm() -> None:
+    """One rank's MoE stage with the all-to-all token dispatcher over an NCCL group of
+    world size 1, experts through torch._grouped_mm in bfloat16, compiled with fxsplit:
+    B then W gives ordinary backward's gradients, the all-to-alls run at B only."""
+    import os
+
+    import torch.distributed as dist
+
+    import ep_harness as eh
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(__import__("pipeline_harness").free_port()))
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = eh.MoEStage(list(range(eh.N_EXPERTS)), "grouped_mm").to(CUDA)
+        mod = eh.MoEStage(list(range(eh.N_EXPERTS)), "grouped_mm", group=dist.group.WORLD).to(CUDA)
+        mod.load_state_dict(ref.state_dict())
+        fn = torch.compile(mod, backend="fxsplit")
+        xs = [torch.randn(eh.MB_BATCH, eh.SEQ, eh.DIM, device=CUDA) for _ in range(2)]
+        gs = [torch.randn_like(x) for x in xs]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = _run_split(mod, fn, [x.requires_grad_() for x in xs], gs)
+        want = _run_ordinary(ref, xs, gs)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+        for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=3e-2, atol=3e-3, msg=name)
+        assert any(e.name.startswith("c10d::alltoall") or "all_to_all" in e.name for e in prof.events())
+    finally:
+        if created:
+            dist.destroy_process_group()
