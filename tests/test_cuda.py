@@ -116,6 +116,8 @@ LLM = [
     pytest.param(_GPT, torch.float32, id="gpt-w2048-4x1024-fp32"),
     pytest.param(ModelConfig("llama", batch=2, seq=2048, layers=1, dim=2048, heads=16), torch.bfloat16,
                  id="llama-gqa-w2048-2x2048-bf16"),
+    pytest.param(ModelConfig("llama", batch=2, seq=2048, layers=1, dim=2048, heads=16), torch.float32,
+                 id="llama-gqa-w2048-2x2048-fp32"),
     pytest.param(ModelConfig("moe", batch=2, seq=2048, layers=1, dim=2048, heads=16), torch.bfloat16,
                  id="moe-grouped-mm-w2048-2x2048-bf16"),
 ]
