@@ -84,6 +84,19 @@ def collectives_in(prof: Any) -> list[tuple[str, str]]:
     return [(op, label) for _, op, label in sorted(found)]
 
 
+def label_actions(actions: list[dict[str, Any]], collectives: list[tuple[str, str]]) -> None:
+    """Give each backward action (``stage``, ``kind``, ``mb``) the collectives it
+    issued (``"collectives"``) and those of its microbatch's forward on that
+    stage (``"forward_collectives"``), as ``{op: count}``."""
+    by_label: dict[str, dict[str, int]] = {}
+    for op, label in collectives:
+        counts = by_label.setdefault(label, {})
+        counts[op] = counts.get(op, 0) + 1
+    for a in actions:
+        a["collectives"] = by_label.get(f"{a['stage']}:{a['kind']}{a['mb']}", {})
+        a["forward_collectives"] = by_label.get(f"{a['stage']}:F{a['mb']}", {})
+
+
 def make_dp_stage_class() -> type:
     base = ph.make_recording_stage_class()
 

@@ -274,7 +274,7 @@ def run_ep_case(case: EPCase, rank: int, world: int) -> dict[str, Any]:
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     actions = [a for st in stages for a in st.actions]
-    dh_labelled(actions, collectives)
+    dh.label_actions(actions, collectives)
     regions = [r for r in fxsplit.compiled_regions() if not any(r is b for b in before)]
     return {
         "case": case.name,
@@ -304,16 +304,6 @@ def _check_grad(where: str, s: int, name: str, got: torch.Tensor | None, want: t
         tol = dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got.float(), want.float(), **tol,
                                msg=lambda m: f"{where}: stage {s} {name}.grad: {m}")
-
-
-def dh_labelled(actions: list[dict[str, Any]], collectives: list[tuple[str, str]]) -> None:
-    by_label: dict[str, dict[str, int]] = {}
-    for op, label in collectives:
-        counts = by_label.setdefault(label, {})
-        counts[op] = counts.get(op, 0) + 1
-    for a in actions:
-        a["collectives"] = by_label.get(f"{a['stage']}:{a['kind']}{a['mb']}", {})
-        a["forward_collectives"] = by_label.get(f"{a['stage']}:F{a['mb']}", {})
 
 
 class _ExpertStage:

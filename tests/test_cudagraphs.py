@@ -168,9 +168,9 @@ def test_symbolic_sizes_run_uncaptured_and_say_so(simulated: SimulatedCapture, c
     assert simulated.captures == 0
 
 
-def test_cpu_tensors_run_uncaptured_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
-    """Without a CUDA device (the real capture backend), reduce-overhead changes
-    nothing but says once why, as Inductor skips CUDA graphs for CPU tensors."""
+def _uncaptured_step(caplog: pytest.LogCaptureFixture) -> Any:
+    """One microbatch through a reduce-overhead region and its plain twin, gradients
+    bitwise equal; the reduce-overhead region (whose capture status tells why it ran uncaptured)."""
     captured, fn, plain, plain_fn = _pair()
     xs, gs = [torch.randn(2, 3, 8)], [torch.randn(2, 3, 8)]
     before = fxsplit.compiled_regions()
@@ -178,9 +178,14 @@ def test_cpu_tensors_run_uncaptured_and_say_so(caplog: pytest.LogCaptureFixture)
         got = _zb_step(captured, fn, xs, gs)
     want = _zb_step(plain, plain_fn, xs, gs)
     assert torch.equal(got[0], want[0])
-    region = next(r for r in new_regions(before) if r.capture is not None)
-    assert "not one CUDA device" in region.capture.status
     assert any("run without CUDA graphs" in r.getMessage() for r in caplog.records)
+    return next(r for r in new_regions(before) if r.capture is not None)
+
+
+def test_cpu_tensors_run_uncaptured_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Without a CUDA device (the real capture backend), reduce-overhead changes
+    nothing but says once why, as Inductor skips CUDA graphs for CPU tensors."""
+    assert "not one CUDA device" in _uncaptured_step(caplog).capture.status
 
 
 def test_a_capture_that_fails_runs_uncaptured_and_says_why(
@@ -190,16 +195,8 @@ def test_a_capture_that_fails_runs_uncaptured_and_says_why(
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(simulated, "capture", broken)
-    captured, fn, plain, plain_fn = _pair()
-    xs, gs = [torch.randn(2, 3, 8)], [torch.randn(2, 3, 8)]
-    before = fxsplit.compiled_regions()
-    with caplog.at_level(logging.INFO, logger="fxsplit"):
-        got = _zb_step(captured, fn, xs, gs)
-    want = _zb_step(plain, plain_fn, xs, gs)
-    assert torch.equal(got[0], want[0])
-    region = next(r for r in new_regions(before) if r.capture is not None)
-    assert "capturing the dI graph failed" in region.capture.status
-    assert "stream is capturing" in region.capture.status
+    status = _uncaptured_step(caplog).capture.status
+    assert "capturing the dI graph failed" in status and "stream is capturing" in status
 
 
 def test_without_cudagraphs_nothing_is_captured(simulated: SimulatedCapture) -> None:

@@ -172,15 +172,6 @@ def _ordinary_backward_profile(module: nn.Module, stage_id: int, case: TPPPCase)
     return phase.collectives, phase.flops
 
 
-def _labelled_collectives(r_actions: list[dict[str, Any]], collectives: list[tuple[str, str]]) -> None:
-    by_label: dict[str, dict[str, int]] = {}
-    for op, label in collectives:
-        counts = by_label.setdefault(label, {})
-        counts[op] = counts.get(op, 0) + 1
-    for a in r_actions:
-        a["collectives"] = by_label.get(f"{a['stage']}:{a['kind']}{a['mb']}", {})
-
-
 def _stage_class(count_flops: bool) -> type:
     """dp_harness's stage (region counters, FLOPs and collectives per action),
     without the FLOP counter where eager DTensor code runs (see tp_harness.Phase)."""
@@ -299,7 +290,7 @@ def run_tp_pp_case(case: TPPPCase, rank: int, world: int) -> dict[str, Any]:
         ref_opt.zero_grad(set_to_none=True)
 
     actions = [a for st in stages for a in st.actions]
-    _labelled_collectives(actions, collectives)
+    dh.label_actions(actions, collectives)
     return {
         "case": case.name,
         "rank": rank,
