@@ -519,6 +519,39 @@ def accumulate_grad_type() -> type:
     return type(node)
 
 
+def storage_ptr(t: torch.Tensor) -> int:
+    """``t.untyped_storage().data_ptr()``; for a plain strided tensor without
+    making a storage object (which costs more than the rest of a check)."""
+    if type(t) is torch.Tensor and t.layout == torch.strided:
+        ptr = t.data_ptr()
+        offset = t.storage_offset()
+        return ptr - offset * t.element_size() if offset else ptr
+    return t.untyped_storage().data_ptr()
+
+
+def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
+    """A check, in one C call, that tensors have exactly the metadata of
+    ``tensors`` (Python type, dispatch keys, dtype, device, ``requires_grad``,
+    sizes, strides; not the storage offset or whether it is a view), as
+    Dynamo's tensor guards check a frame's inputs (``TensorGuards``), or
+    ``None`` where this torch has no such class or refuses these tensors."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    cls = getattr(guards, "TensorGuards", None)
+    if cls is None:
+        return None
+    try:
+        guard = cls(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+        if not guard.check(*tensors):  # a torch whose guard means something else
+            return None
+    except Exception:  # noqa: BLE001 - a private class: anything unexpected means "not available"
+        return None
+    return guard.check
+
+
 def autocast_disabled() -> Any:
     """Turn autocast off, as AOTAutograd does around compiled graphs that were
     traced with autocast on (``torch._C._DisableAutocast``)."""

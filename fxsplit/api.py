@@ -313,7 +313,8 @@ def stage_backward_input(
     # The compiled regions this call runs (exactly the split regions in the B
     # set) run their dI graph only, and only while this call runs.
     retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
-    call = InputCall((id(w) for w in weights), release_saved=retain, keep=plan.rerun, handover=plan.region_starts)
+    call = InputCall(weights, release_saved=retain, keep=plan.rerun, handover=plan.region_starts,
+                     region_params=plan.region_params)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     try:
         if (grad_inputs or captures) and outs:

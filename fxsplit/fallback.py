@@ -180,6 +180,9 @@ class EagerWeightPlan:
     bottom_regions: list[Node] = dataclasses.field(default_factory=list)
     captures: list[GradientEdge] = dataclasses.field(default_factory=list)
     output_users: list[list[Node]] = dataclasses.field(default_factory=list)
+    # Per split region (compiled-only plans): the given parameter behind each
+    # of its node's next_functions (None elsewhere), found by the plan's walk.
+    region_params: dict[Node, list[torch.Tensor | None]] = dataclasses.field(default_factory=dict)
 
     @property
     def eager_weights(self) -> list[torch.Tensor]:
@@ -356,6 +359,7 @@ def compiled_only_plan(
     # region -> the nodes below it that are regions or inputs (for the check below)
     regions: dict[Node, list[Node]] = {}
     found: set[int] = set()
+    region_params: dict[Node, list[torch.Tensor | None]] = {}
     queue = [e.node for e in output_edges]
     while queue:
         node = queue.pop()
@@ -365,8 +369,11 @@ def compiled_only_plan(
             return None
         below: list[Node] = []
         regions[node] = below
+        params: list[torch.Tensor | None] = []
+        region_params[node] = params
         for child, _ in node.next_functions:
             if child is None:
+                params.append(None)
                 continue
             if type(child) is accumulate_grad:
                 variable = child.variable
@@ -374,13 +381,16 @@ def compiled_only_plan(
                 if key in leaves:
                     inputs.add(child)
                     below.append(child)
+                    params.append(None)
                 elif key in given and isinstance(variable, parameter):
                     found.add(key)
+                    params.append(variable)
                 else:
                     # A leaf that is not a given weight, or a plain-tensor weight (a region
                     # computes its gradient in dI, as an input's): the general plan handles it.
                     return None
             else:
+                params.append(None)
                 below.append(child)
                 if child not in inputs and child not in regions:
                     queue.append(child)
@@ -397,7 +407,9 @@ def compiled_only_plan(
                 grew = True
     if len(reaches) != len(regions):
         return None
-    return EagerWeightPlan([], [], split_regions=list(regions), output_users=[[] for _ in output_edges])
+    return EagerWeightPlan(
+        [], [], split_regions=list(regions), output_users=[[] for _ in output_edges], region_params=region_params
+    )
 
 
 def plan_eager_weight_work(

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from fxsplit import _torch_internals as ti
 
 log = logging.getLogger("fxsplit")
 
@@ -199,7 +202,7 @@ class BoundaryGuard:
     ``region`` names the region in logs.
     """
 
-    __slots__ = ("region", "_checks", "_exact", "adapted", "_reported")
+    __slots__ = ("region", "_checks", "_exact", "adapted", "_reported", "_fast", "_pick", "_fast_state")
 
     def __init__(
         self, region: str, expected: Sequence[Any], names: Sequence[str], strides: Sequence[bool] | None = None
@@ -219,9 +222,24 @@ class BoundaryGuard:
         # name -> what was found and what was done, for inspection (first occurrence).
         self.adapted: dict[str, str] = {}
         self._reported: set[str] = set()
+        # After a call whose values all matched exactly: one C call that passes
+        # values with exactly their metadata (a graph with static shapes returns
+        # the same layouts every call). Given up at its first miss (the Python
+        # check below decides every call then, as before).
+        positions = tuple(i for i, *_ in self._exact)
+        self._pick = operator.itemgetter(*positions) if len(positions) > 1 else None
+        self._fast: Callable[..., bool] | None = None
+        self._fast_state = "untried" if positions else "off"
 
     def __call__(self, values: list[Any]) -> list[Any]:
         """Conform ``values`` in place (and return them)."""
+        fast = self._fast
+        if fast is not None:
+            if fast(*self._pick(values)):  # type: ignore[misc]
+                return values
+            self._fast = None
+            self._fast_state = "off"
+        conformed = False
         for i, size, stride, dtype, k in self._exact:
             t = values[i]
             if (
@@ -235,6 +253,10 @@ class BoundaryGuard:
                 _, name, layout = self._checks[k]
                 if not layout.matches(t):
                     values[i] = self._conform(name, layout, t)
+            conformed = True  # not exactly as compiled for (or not a plain tensor): no guard
+        if not conformed and self._fast_state == "untried" and self._pick is not None:
+            self._fast_state = "on"
+            self._fast = ti.metadata_guard(list(self._pick(values)))
         return values
 
     def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor) -> torch.Tensor:

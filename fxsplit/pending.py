@@ -277,7 +277,7 @@ def accumulates_like_autograd(
         and not weight._backward_hooks
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
         and getattr(weight, "grad_dtype", None) in (None, g.dtype)
-        and g.untyped_storage().data_ptr() not in avoid
+        and ti.storage_ptr(g) not in avoid
     )
 
 
@@ -298,7 +298,16 @@ def takes_gradient_like_autograd(
     someone else holds, which autograd would copy)."""
     return (
         weight.grad is None
-        and type(grad) is torch.Tensor
+        and _in_weight_layout(weight, grad)
+        and _taken_unobserved(weight, grad, avoid)
+    )
+
+
+def _in_weight_layout(weight: torch.Tensor, grad: Any) -> bool:
+    """The part of :func:`takes_gradient_like_autograd` that is metadata of
+    the two tensors only (what :func:`_direct_takes` guards at once)."""
+    return (
+        type(grad) is torch.Tensor
         and type(weight) in (torch.nn.Parameter, torch.Tensor)
         and grad.layout == torch.strided
         and not grad.requires_grad
@@ -306,12 +315,58 @@ def takes_gradient_like_autograd(
         and grad.device == weight.device
         and grad.shape == weight.shape
         and (grad.stride() == weight.stride() if _dense(weight) else grad.is_contiguous())
-        and not weight._backward_hooks
+    )
+
+
+def _taken_unobserved(weight: torch.Tensor, grad: torch.Tensor, avoid: set[int]) -> bool:
+    """The rest of :func:`takes_gradient_like_autograd`: what can change
+    without any tensor's metadata changing (hooks, ``grad_dtype``, who else
+    holds the gradient)."""
+    return (
+        not weight._backward_hooks
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
         and getattr(weight, "grad_dtype", None) in (None, grad.dtype)
         and grad._base is None  # an autograd view: its base is held too (autograd would copy it)
-        and grad.untyped_storage().data_ptr() not in avoid
+        and ti.storage_ptr(grad) not in avoid
     )
+
+
+# Per region (its runtime, weakly): the weights of the last W whose gradients
+# all had their weight's layout, and a guard that passes exactly the weights
+# and gradients with the same metadata as then (one C call instead of a
+# Python check per weight; a dW graph returns the same layouts every call).
+_DIRECT_GUARDS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _direct_takes(
+    owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor], ptrs: list[int], avoid: set[int]
+) -> list[bool]:
+    """:func:`takes_gradient_like_autograd` for each pair (``.grad`` known to
+    be ``None``; ``ptrs``: the gradients' storages), the metadata part decided
+    once per region and set of weights, then guarded
+    (:func:`fxsplit._torch_internals.metadata_guard`)."""
+    cached = _DIRECT_GUARDS.get(owner)
+    if (
+        cached is not None
+        and len(cached[0]) == len(weights)
+        and all(r() is w for r, w in zip(cached[0], weights))
+        and cached[1](*weights, *grads)
+    ):
+        # What _taken_unobserved checks, inline (this runs for every weight of every W).
+        return [
+            not w._backward_hooks
+            and not getattr(w, "_post_accumulate_grad_hooks", None)
+            and getattr(w, "grad_dtype", None) in (None, g.dtype)
+            and g._base is None
+            and ptr not in avoid
+            for w, g, ptr in zip(weights, grads, ptrs)
+        ]
+    laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
+    if weights and all(laid_out):
+        guard = ti.metadata_guard([*weights, *grads])
+        if guard is not None:
+            _DIRECT_GUARDS[owner] = (tuple(weakref.ref(w) for w in weights), guard)
+    return [ok and _taken_unobserved(w, g, avoid) for ok, w, g in zip(laid_out, weights, grads)]
 
 
 class _AccumulationCheck:
@@ -348,6 +403,8 @@ def _accumulating_like_autograd(record: CompiledWeightWork, wanted: set[int], mu
     owner = record.owner
     check = _ACCUMULATION_CHECKS.get(owner)
     if check is None or not _same(check, params):
+        if all(p is None or p.grad is None for p in params):
+            return ()  # nothing to add into (the first microbatch of a step)
         check = _decide(owner, params)
     positions = []
     for k in check.positions:
@@ -391,7 +448,7 @@ def _decide(owner: Any, params: Sequence[Any]) -> _AccumulationCheck:
         tuple(None if p is None else weakref.ref(p) for p in params),
         tuple(None if p is None or p.grad is None else weakref.ref(p.grad) for p in params),
         positions,
-        {k: params[k].grad.untyped_storage().data_ptr() for k in positions},
+        {k: ti.storage_ptr(params[k].grad) for k in positions},
         {k: params[k].grad.dtype for k in positions},
     )
     if all(g is not None for g, p in zip(check.grads, params) if p is not None):  # every .grad exists
@@ -794,6 +851,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         commits, direct = self._compute(fused_accumulation)
         if direct:
             self._take(direct)
+        if not commits:
+            return
         blocked = [n for n in (r() for r in self._split_regions) if n is not None]
         t0 = time.perf_counter_ns()
         try:
@@ -841,8 +900,14 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         by_id: dict[int, tuple[torch.Tensor, Node]] = {}
         origin: dict[int, int] = {}  # the record a weight's (last) gradient came from
         for i, record in enumerate(self.compiled):
-            if i not in accumulating and any(id(p) in wanted for p in record.weights):
-                for p, acc, g in record.compute(wanted, self.timings):
+            if i not in accumulating and any(p is not None and id(p) in wanted for p in record.params):
+                triples = record.compute(wanted, self.timings)
+                if len(self.compiled) == 1 and not self.groups:
+                    # The common case (one region, no eager code): steps 2-3 in one pass.
+                    one = self._direct_one(record, triples, fused_accumulation)
+                    if one is not None:
+                        return one
+                for p, acc, g in triples:
                     compiled.setdefault(id(p), []).append(g)
                     by_id[id(p)] = (p, acc)
                     origin[id(p)] = i
@@ -896,6 +961,55 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             commits.append(WeightCommit(roots, values, [w for w, _ in rest_weights], [a for _, a in rest_weights]))
         return commits, direct
 
+    def _direct_one(
+        self, record: CompiledWeightWork, triples: list[tuple[torch.Tensor, Any, torch.Tensor]], switch: bool | None
+    ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """What :meth:`_direct` and step 3 of :meth:`_compute` decide, for the
+        gradients of one record when it is the only one and there is no eager
+        group, in one pass over its weights: the commit through autograd's
+        engine of what an empty ``.grad`` does not take as it is, and the
+        ``(weight, gradient)`` pairs it does. ``None`` where a weight has two
+        gradients (the general path sums them)."""
+        plain = torch.Tensor
+        storage_ptr = ti.storage_ptr
+        allowed = self._fusion_allowed(record, switch)
+        ids: set[int] = set()
+        seen: set[int] = set()
+        shared: set[int] = set()
+        candidates: list[int] = []  # indices into triples
+        ptrs: list[int] = []
+        for n, (p, _, g) in enumerate(triples):
+            key = id(p)
+            if key in ids:
+                return None
+            ids.add(key)
+            if type(g) is plain:  # a DTensor's local storage is not its own to compare
+                ptr = storage_ptr(g)
+                (shared if ptr in seen else seen).add(ptr)
+                if allowed and p.grad is None:
+                    candidates.append(n)
+                    ptrs.append(ptr)
+        direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        rest = triples
+        if candidates:
+            weights = [triples[n][0] for n in candidates]
+            grads = [triples[n][2] for n in candidates]
+            takes = _direct_takes(record.owner, weights, grads, ptrs, shared | record.held_elsewhere)
+            taken: set[int] = set()
+            for n, weight, grad, ok in zip(candidates, weights, grads, takes):
+                if ok:
+                    direct.append((weight, grad))
+                    taken.add(n)
+            if taken:
+                rest = [t for n, t in enumerate(triples) if n not in taken]
+        commits = []
+        if rest:
+            commits.append(WeightCommit(
+                [GradientEdge(acc, 0) for _, acc, _ in rest], [g for _, _, g in rest],
+                [p for p, _, _ in rest], [acc for _, acc, _ in rest],
+            ))
+        return commits, direct
+
     def _direct(
         self,
         compiled: dict[int, list[torch.Tensor]],
@@ -908,37 +1022,46 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         itself (:meth:`_fusion_allowed`), for a weight no eager group
         reaches, and :func:`takes_gradient_like_autograd`. Autograd's engine
         call would do exactly that assignment, at the cost of an engine call."""
-        candidates = [
-            k for k, gs in compiled.items()
-            if len(gs) == 1 and type(gs[0]) is torch.Tensor and by_id[k][0].grad is None
-            and self._fusion_allowed(self.compiled[origin[k]], switch)
-        ]
-        if not candidates:
-            return []
-        eager = {id(w) for g in self.groups for w in g.weights} if self.groups else set()
+        eager = {id(w) for g in self.groups for w in g.weights} if self.groups else ()
+        allowed: dict[int, bool] = {}  # per record: decided once, not per weight
+        storage_ptr = ti.storage_ptr
+        plain = torch.Tensor
         # A storage two gradients share, or that others hold (the backward's own
         # inputs, the input gradients B returned), is someone else's too: autograd
         # would copy it. A live-in dI computed is W's alone (dropped when W ends).
         seen: set[int] = set()
         shared: set[int] = set()
-        for gs in compiled.values():
+        # per record: the candidates' keys, weights, gradients and storages
+        per_record: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
+        for k, gs in compiled.items():
             for g in gs:
-                if type(g) is not torch.Tensor:  # a DTensor's local storage is not its own to compare
-                    continue
-                ptr = g.untyped_storage().data_ptr()
-                (shared if ptr in seen else seen).add(ptr)
-        avoid: dict[int, set[int]] = {}
-        direct = []
-        for k in candidates:
-            if k in eager:
+                if type(g) is plain:  # a DTensor's local storage is not its own to compare
+                    ptr = storage_ptr(g)
+                    (shared if ptr in seen else seen).add(ptr)
+            if len(gs) != 1 or type(gs[0]) is not plain or k in eager:
+                continue
+            weight = by_id[k][0]
+            if weight.grad is not None:
                 continue
             i = origin[k]
-            if i not in avoid:
-                avoid[i] = shared | self.compiled[i].held_elsewhere
-            weight, grad = by_id[k][0], compiled[k][0]
-            if takes_gradient_like_autograd(weight, grad, avoid[i]):
-                direct.append((weight, grad))
-                del compiled[k]
+            ok = allowed.get(i)
+            if ok is None:
+                ok = allowed[i] = self._fusion_allowed(self.compiled[i], switch)
+                if ok:
+                    per_record[i] = ([], [], [], [])
+            if ok:
+                keys, weights, grads, ptrs = per_record[i]
+                keys.append(k)
+                weights.append(weight)
+                grads.append(gs[0])
+                ptrs.append(ptr)
+        direct = []
+        for i, (keys, weights, grads, ptrs) in per_record.items():
+            takes = _direct_takes(self.compiled[i].owner, weights, grads, ptrs, shared | self.compiled[i].held_elsewhere)
+            for k, weight, grad, ok in zip(keys, weights, grads, takes):
+                if ok:
+                    direct.append((weight, grad))
+                    del compiled[k]
         return direct
 
     def _release(self) -> None:

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -89,18 +89,25 @@ class InputCall:
     its dI graph has run, unless its node is in ``keep`` (W's eager calls
     pass through it). Without a retained graph the engine frees them.
     ``handover``: the region nodes that may hand input gradients to W's eager part.
+    ``region_params``: per region node, the given parameter behind each of
+    its ``next_functions`` (``None`` elsewhere), where B's plan found them
+    already; other regions look them up by ``weight_ids``.
     """
 
-    __slots__ = ("weight_ids", "records", "deferred", "release_saved", "keep", "handover", "timings")
+    __slots__ = ("_weights", "_weight_ids", "records", "deferred", "release_saved", "keep", "handover", "timings",
+                 "region_params")
 
     def __init__(
         self,
-        weight_ids: Iterable[int],
+        weights: Sequence[Any],
         release_saved: bool = False,
         keep: Iterable[Any] = (),
         handover: Iterable[Any] | None = None,
+        region_params: Mapping[Any, Sequence[Any]] | None = None,
     ) -> None:
-        self.weight_ids = frozenset(weight_ids)
+        self._weights = weights
+        self._weight_ids: frozenset[int] | None = None
+        self.region_params = region_params or {}
         self.records: list[CompiledWeightWork] = []
         self.deferred: list[DeferredGrad] = []
         self.release_saved = release_saved
@@ -110,6 +117,13 @@ class InputCall:
         self.handover = None if handover is None else frozenset(handover)
         # Time inside the dI graphs this call ran ("b_graph_ns").
         self.timings: dict[str, int] = {}
+
+    @property
+    def weight_ids(self) -> frozenset[int]:
+        """The ``id`` of every weight given to B (made on first use)."""
+        if self._weight_ids is None:
+            self._weight_ids = frozenset(id(w) for w in self._weights)
+        return self._weight_ids
 
 
 class _SplitDone:
@@ -276,7 +290,7 @@ class CompiledWeightWork:
         """Data pointers of the live-ins' storages (a ``.grad`` sharing one must
         not be written inside the graph that reads it)."""
         if self._storages is None:
-            self._storages = {v.untyped_storage().data_ptr() for v in self._live_ins or () if isinstance(v, torch.Tensor)}
+            self._storages = {ti.storage_ptr(v) for v in self._live_ins or () if isinstance(v, torch.Tensor)}
         return self._storages
 
     def release(self) -> None:
@@ -371,6 +385,15 @@ class CompiledSplitBackward:
         self.layout = layout if layout is not None else GradientLayout.plain(split.num_outputs)
         # One per weight, in dW output order: the pieces W hands to autograd as one gradient.
         self.weight_grads: tuple[WeightGradient, ...] = self.layout.weight_gradients(split.dw_outputs)
+        # Per weight gradient, the index of its weight's edge among the autograd
+        # node's next_functions (one per tensor input), decided once.
+        flags = self.layout.input_is_tensor
+        self._num_edges = sum(flags)
+        self._has_subclass_inputs = bool(self.layout.subclass_inputs)
+        self._weight_edges: tuple[int | None, ...] = tuple(
+            sum(flags[: g.input_index]) if g.input_index < len(flags) and flags[g.input_index] else None
+            for g in self.weight_grads
+        )
         # Builds DTensor gradients from their pieces; read off the region's
         # autograd node by the first split backward (see _input_only).
         self._subclass_grads: ti.SubclassGradients | None = None
@@ -510,7 +533,7 @@ class CompiledSplitBackward:
         ``dw_vals``: a plain weight's output as it is, a subclass weight's
         (DTensor) rebuilt from its pieces as AOTAutograd would after the fused
         backward; ``None`` where an output is ``None`` (accumulated in the graph)."""
-        if not self.layout.subclass_inputs:
+        if not self._has_subclass_inputs:
             return list(dw_vals)
         flat: list[Any] | None = None
         result: list[Any] = []
@@ -681,8 +704,10 @@ class CompiledSplitBackward:
         return self._input_only(call, node, args)
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
-        edges = self.layout.edges_by_output(node.next_functions, self.name)
-        if self._subclass_grads is None and self.layout.subclass_inputs:
+        edges = node.next_functions
+        if len(edges) != self._num_edges:
+            self.layout.edges_by_input(edges, self.name)  # raises, naming the mismatch
+        if self._subclass_grads is None and self._has_subclass_inputs:
             self._subclass_grads = ti.SubclassGradients.of(node)
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
@@ -700,10 +725,15 @@ class CompiledSplitBackward:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
-        params, accumulators = self._params_of(edges, call.weight_ids)
+        found = call.region_params.get(node)
+        if found is not None:
+            params = [found[j] if j is not None else None for j in self._weight_edges]
+            accumulators = [edges[j][0] if p is not None else None for j, p in zip(self._weight_edges, params)]
+        else:
+            params, accumulators = self._params_of(edges, call.weight_ids)
         n = len(di_vals)
         held = frozenset(
-            t.untyped_storage().data_ptr()
+            ti.storage_ptr(t)
             for t in (*di_vals, *(live[i - n] for i in self._passthrough))
             if type(t) is torch.Tensor
         )
@@ -714,6 +744,7 @@ class CompiledSplitBackward:
         if call.handover is not None and node not in call.handover:
             return result
         handed: set[int] = set()
+        edges = self.layout.edges_by_output(edges, self.name)
         for i in self.split.di_outputs:
             owner = self.layout.owners[i]
             fn, input_nr = edges[i] if edges[i] is not None else (None, 0)
@@ -729,14 +760,19 @@ class CompiledSplitBackward:
 
     def _params_of(self, edges: Sequence[Any], wanted: frozenset[int]) -> tuple[list[torch.Tensor | None], list[Any]]:
         """The parameter behind each weight's gradient (:attr:`weight_grads`),
-        if it was given to B, and its grad accumulator. ``edges``: per backward output."""
+        if it was given to B, and its grad accumulator. ``edges``: the region's
+        autograd node's ``next_functions``."""
         params: list[torch.Tensor | None] = []
         accumulators: list[Any] = []
-        for grad in self.weight_grads:
-            edge = edges[self.split.dw_outputs[grad.positions[0]]]
-            fn = edge[0] if edge is not None else None
-            var = getattr(fn, "variable", None) if fn is not None and ti.is_accumulate_grad(fn) else None
-            keep = isinstance(var, torch.nn.Parameter) and id(var) in wanted
-            params.append(var if keep else None)
-            accumulators.append(fn if keep else None)
+        accumulate_grad = ti.accumulate_grad_type()
+        parameter = torch.nn.Parameter
+        for j in self._weight_edges:
+            fn = edges[j][0] if j is not None else None
+            var = fn.variable if type(fn) is accumulate_grad else None
+            if id(var) in wanted and isinstance(var, parameter):
+                params.append(var)
+                accumulators.append(fn)
+            else:
+                params.append(None)
+                accumulators.append(None)
         return params, accumulators

@@ -254,3 +254,70 @@ def test_a_layout_that_cannot_be_told_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match=r"region\d+: the gradient of input \d+ came back from the compiled dI graph"):
         fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], list(mod.parameters()))
     assert x.grad is None and all(p.grad is None for p in mod.parameters())
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_layouts_that_change_after_steps_as_compiled_are_still_checked(compiler: str) -> None:
+    """B and W check a region's layouts with one C call once they have seen
+    them as compiled for (the dI outputs, the weight gradients an empty
+    ``.grad`` takes). Layouts that change after such steps (dI's live-ins and
+    input gradients of another rank, weight gradients in another layout than
+    their weight's) are still conformed, and ``.grad`` still gets the weight's
+    layout, as after ordinary backward."""
+    torch.manual_seed(0)
+    base = NormMLP()
+    mod, ref = copy.deepcopy(base), copy.deepcopy(base)
+    backend = fxsplit.backend(compiler=compiler)
+    compiled, ordinary = torch.compile(mod, backend=backend), torch.compile(ref, backend=backend)
+    params = list(mod.parameters())
+    before = fxsplit.compiled_regions()
+    x = torch.randn(2, 5, 16)
+    g = torch.randn(2, 5, 16)
+    for step in range(4):
+        if step == 3:  # as compiled for three times; now every layout changes
+            (region,) = new_regions(before)
+            _distort_di(region, _other_rank, outputs_too=True)
+            real_dw = region._run_dw
+
+            def column_major(t: torch.Tensor) -> torch.Tensor:  # not a view: a tensor of its own
+                return torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype).copy_(t)
+
+            def other_layouts(live_ins: list[Any]) -> list[Any]:
+                return [column_major(t) if isinstance(t, torch.Tensor) and t.dim() == 2 else t
+                        for t in real_dw(live_ins)]
+
+            region._run_dw = other_layouts
+        for p, q in zip(params, ref.parameters()):
+            p.grad = q.grad = None
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (dx,), work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
+        fxsplit.stage_backward_weight(params, work)
+        ordinary(xb).backward(g)
+        torch.testing.assert_close(dx, xb.grad, rtol=0, atol=0)
+        for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+            assert p.grad is not None and p.grad.stride() == q.grad.stride() == p.stride(), (step, name)
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"step {step}: {name}")
+    assert region.boundary.adapted, "the changed dI layouts were not reported"
+
+
+def test_boundary_guard_checks_again_after_its_fast_path_misses() -> None:
+    """The one-call check a guard builds after exact matches passes exactly those
+    layouts; anything else goes through the full check (and is conformed)."""
+    expected = [torch.empty(1, 8), torch.empty(3, 4)]
+    guard = BoundaryGuard("region", expected, ["a", "b"])
+    for _ in range(2):
+        values = [torch.randn(1, 8), torch.randn(3, 4)]
+        assert guard(list(values))[0] is values[0]
+    bent = [torch.randn(8), torch.randn(3, 4).mT.contiguous().mT]
+    out = guard(list(bent))
+    assert out[0].shape == (1, 8) and out[1].stride() == (4, 1)
+    torch.testing.assert_close(out[1], bent[1], rtol=0, atol=0)
+    assert set(guard.adapted) == {"a", "b"}
+
+
+def test_storage_pointer_without_a_storage_object() -> None:
+    from fxsplit import _torch_internals as ti
+
+    buf = torch.randn(40)
+    for t in (buf, buf[7:], buf[3:].view(37)[5:], buf.view(5, 8).mT, torch.empty(0)):
+        assert ti.storage_ptr(t) == t.untyped_storage().data_ptr()
