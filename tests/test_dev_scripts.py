@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import graph_times, kernel_profile
+from benchmarks import graph_times, host_overhead, kernel_profile
 
 
 @pytest.mark.inductor
@@ -44,3 +44,18 @@ def test_graph_times_refuses_zero_reps(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit) as e:
         graph_times.main(["--reps", "0"])
     assert e.value.code == 2 and "--reps must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.inductor
+def test_host_overhead_reports_time_outside_and_inside_the_graphs(capsys: pytest.CaptureFixture[str]) -> None:
+    result = host_overhead.main(["--reps", "2"])
+    out = capsys.readouterr().out
+    assert set(result) == {"outside_graphs_ratio", "graphs_ratio", "backward_ratio"}
+    assert all(v > 0 for v in result.values()), result
+    assert "host time outside the graphs" in out and "time inside the graphs" in out and "2 rounds" in out
+
+
+def test_host_overhead_refuses_zero_reps(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        host_overhead.main(["--reps", "0"])
+    assert e.value.code == 2 and "--reps and --threads must be at least 1" in capsys.readouterr().err

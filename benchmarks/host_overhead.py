@@ -1,0 +1,95 @@
+"""Host time outside the compiled graphs: B + W against the fused backward.
+
+On a host-bound stage the split's cost is what runs around its graphs:
+autograd's engine, AOTAutograd's wrappers and fxsplit's own Python (plans,
+checks, commits). This measures it on one fxsplit-compiled stage, alternating
+ordinary backward (the region's fused graph) and B then W (its dI and dW
+graphs) in every round, ``.grad`` empty before each: the time of each backward
+minus the time inside its compiled graphs (``region.graph_ns``), and the
+graphs' own ratio. Medians of the per-round ratios, with their quartiles.
+
+    python -m benchmarks.host_overhead                 # width 128, 2 x 64 tokens, 1 thread
+    python -m benchmarks.host_overhead --threads 2 --reps 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+import fxsplit
+from benchmarks.split_table import CONFIGS
+
+
+def _q(values: list[float]) -> str:
+    v = sorted(values)
+    return f"{statistics.median(v):.3f} ({v[len(v) // 4]:.3f}-{v[(3 * len(v)) // 4]:.3f})"
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=300)
+    args = p.parse_args(argv)
+    if args.reps < 1 or args.threads < 1:
+        p.error("--reps and --threads must be at least 1")
+    torch.set_num_threads(args.threads)
+    from fxsplit.bench.models import build
+
+    stage = build(CONFIGS[args.config])
+    before = fxsplit.compiled_regions()
+    model = torch.compile(copy.deepcopy(stage.module), backend="fxsplit")
+    x = stage.make_input().detach().requires_grad_()
+    params = list(model.parameters())
+    g = torch.randn_like(model(x))
+    (region,) = [r for r in fxsplit.compiled_regions() if r not in before]
+
+    def clear() -> None:
+        for w in params:
+            w.grad = None
+        x.grad = None
+
+    rows: list[tuple[int, int, int, int]] = []  # fused total, fused graph, split total, split graphs
+    for k in range(args.reps + 10):
+        clear()
+        a = dict(region.graph_ns)
+        out = model(x)
+        t0 = time.perf_counter_ns()
+        out.backward(g)
+        fused = time.perf_counter_ns() - t0
+        b = dict(region.graph_ns)
+        clear()
+        out = model(x)
+        t0 = time.perf_counter_ns()
+        _, work = fxsplit.stage_backward_input([out], [g], [x], params)
+        fxsplit.stage_backward_weight(params, work)
+        split = time.perf_counter_ns() - t0
+        c = dict(region.graph_ns)
+        if k >= 10:  # warm-up dropped
+            rows.append((fused, b["fused"] - a["fused"], split, c["dI"] - b["dI"] + c["dW"] - b["dW"]))
+    outside = [(s - sg) / (f - fg) for f, fg, s, sg in rows]
+    graphs = [sg / fg for _, fg, _, sg in rows]
+    total = [s / f for f, _, s, _ in rows]
+    print(f"{args.config}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} rounds; "
+          "medians (quartiles) of per-round ratios, B + W over the fused backward:")
+    print(f"  host time outside the graphs: {_q(outside)}  "
+          f"(fused {statistics.median(f - fg for f, fg, _, _ in rows) / 1e3:.0f} us, "
+          f"B + W {statistics.median(s - sg for _, _, s, sg in rows) / 1e3:.0f} us)")
+    print(f"  time inside the graphs:       {_q(graphs)}")
+    print(f"  whole backward:               {_q(total)}")
+    return {
+        "outside_graphs_ratio": statistics.median(outside),
+        "graphs_ratio": statistics.median(graphs),
+        "backward_ratio": statistics.median(total),
+    }
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
