@@ -529,14 +529,40 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+@functools.cache
+def _tensor_guards_class() -> Any:
+    """Dynamo's ``TensorGuards``, where this torch has one that rejects what
+    :func:`metadata_guard` promises to reject (checked once, on small tensors)."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    cls = getattr(guards, "TensorGuards", None)
+    if cls is None:
+        return None
+    try:
+        a = torch.zeros(2, 3)
+        guard = cls(a, dynamic_dims_sizes=[[2, 3]], dynamic_dims_strides=[[3, 1]])
+        if not guard.check(torch.zeros(2, 3)):
+            return None
+        others = [
+            torch.zeros(3, 2).mT,  # other strides
+            torch.zeros(2, 4),  # other sizes
+            torch.zeros(2, 3, dtype=torch.float64),
+            torch.zeros(2, 3, requires_grad=True),
+            torch.nn.Parameter(torch.zeros(2, 3)),  # another type
+        ]
+        if any(guard.check(t) for t in others):
+            return None
+    except Exception:  # noqa: BLE001 - a private class: anything unexpected means "not available"
+        return None
+    return cls
+
+
 def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
     """A check, in one C call, that tensors have exactly the metadata of
     ``tensors`` (Python type, dispatch keys, dtype, device, ``requires_grad``,
     sizes, strides; not the storage offset or whether it is a view), as
     Dynamo's tensor guards check a frame's inputs (``TensorGuards``), or
     ``None`` where this torch has no such class or refuses these tensors."""
-    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-    cls = getattr(guards, "TensorGuards", None)
+    cls = _tensor_guards_class()
     if cls is None:
         return None
     try:
