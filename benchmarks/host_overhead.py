@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=300)
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
+                   help="the graphs' compiler (eager: FX graphs run as they are; for a quick check)")
     args = p.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         p.error("--reps and --threads must be at least 1")
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     stage = build(CONFIGS[args.config])
     before = fxsplit.compiled_regions()
-    model = torch.compile(copy.deepcopy(stage.module), backend="fxsplit")
+    model = torch.compile(copy.deepcopy(stage.module), backend=fxsplit.backend(compiler=args.compiler))
     x = stage.make_input().detach().requires_grad_()
     params = list(model.parameters())
     g = torch.randn_like(model(x))
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     outside = [(s - sg) / (f - fg) for f, fg, s, sg in rows]
     graphs = [sg / fg for _, fg, _, sg in rows]
     total = [s / f for f, _, s, _ in rows]
-    print(f"{args.config}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} rounds; "
+    print(f"{args.config}, {args.compiler}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} rounds; "
           "medians (quartiles) of per-round ratios, B + W over the fused backward:")
     print(f"  host time outside the graphs: {_q(outside)}  "
           f"(fused {statistics.median(f - fg for f, fg, _, _ in rows) / 1e3:.0f} us, "
