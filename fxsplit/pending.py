@@ -123,6 +123,15 @@ class WeightCommit:
     pins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = dataclasses.field(default_factory=list)
 
 
+def _engine_commit(gradients: Sequence[tuple[torch.Tensor, Node, Sequence[torch.Tensor]]]) -> WeightCommit:
+    """One autograd call committing ``(weight, accumulator, its gradients)``:
+    a weight with gradients from several regions gets several roots on the
+    same edge, which the engine sums (casting each to ``grad_dtype`` first)."""
+    roots = [GradientEdge(acc, 0) for _, acc, gs in gradients for _ in gs]
+    values = [g for _, _, gs in gradients for g in gs]
+    return WeightCommit(roots, values, [w for w, _, _ in gradients], [acc for _, acc, _ in gradients])
+
+
 class _HandOver(torch.autograd.Function):
     """An autograd node whose backward returns W's gradients for leaf weights
     and keeps no reference to them.
@@ -299,7 +308,7 @@ def takes_gradient_like_autograd(
     return (
         weight.grad is None
         and _in_weight_layout(weight, grad)
-        and _taken_unobserved(weight, grad, avoid)
+        and _taken_unobserved(weight, grad, ti.storage_ptr(grad), avoid)
     )
 
 
@@ -318,16 +327,16 @@ def _in_weight_layout(weight: torch.Tensor, grad: Any) -> bool:
     )
 
 
-def _taken_unobserved(weight: torch.Tensor, grad: torch.Tensor, avoid: set[int]) -> bool:
+def _taken_unobserved(weight: torch.Tensor, grad: torch.Tensor, ptr: int, avoid: set[int]) -> bool:
     """The rest of :func:`takes_gradient_like_autograd`: what can change
     without any tensor's metadata changing (hooks, ``grad_dtype``, who else
-    holds the gradient)."""
+    holds the gradient, whose storage is at ``ptr``)."""
     return (
         not weight._backward_hooks
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
         and getattr(weight, "grad_dtype", None) in (None, grad.dtype)
         and grad._base is None  # an autograd view: its base is held too (autograd would copy it)
-        and ti.storage_ptr(grad) not in avoid
+        and ptr not in avoid
     )
 
 
@@ -352,21 +361,13 @@ def _direct_takes(
         and all(r() is w for r, w in zip(cached[0], weights))
         and cached[1](*weights, *grads)
     ):
-        # What _taken_unobserved checks, inline (this runs for every weight of every W).
-        return [
-            not w._backward_hooks
-            and not getattr(w, "_post_accumulate_grad_hooks", None)
-            and getattr(w, "grad_dtype", None) in (None, g.dtype)
-            and g._base is None
-            and ptr not in avoid
-            for w, g, ptr in zip(weights, grads, ptrs)
-        ]
+        return [_taken_unobserved(w, g, ptr, avoid) for w, g, ptr in zip(weights, grads, ptrs)]
     laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
     if weights and all(laid_out):
         guard = ti.metadata_guard([*weights, *grads])
         if guard is not None:
             _DIRECT_GUARDS[owner] = (tuple(weakref.ref(w) for w in weights), guard)
-    return [ok and _taken_unobserved(w, g, avoid) for ok, w, g in zip(laid_out, weights, grads)]
+    return [ok and _taken_unobserved(w, g, ptr, avoid) for ok, w, g, ptr in zip(laid_out, weights, grads, ptrs)]
 
 
 class _AccumulationCheck:
@@ -948,17 +949,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 commits.append(
                     WeightCommit(roots, values, [w for w, _ in chosen], [a for _, a in chosen], group.pins())
                 )
-        rest_weights = [by_id[k] for k in compiled]
-        if rest_weights:
-            roots = []
-            values = []
-            for w, acc in rest_weights:
-                # Several regions' gradients for one weight: several roots on the
-                # same edge, which the engine sums (casting each to grad_dtype first).
-                for g in compiled.pop(id(w)):
-                    roots.append(GradientEdge(acc, 0))
-                    values.append(g)
-            commits.append(WeightCommit(roots, values, [w for w, _ in rest_weights], [a for _, a in rest_weights]))
+        if compiled:
+            commits.append(_engine_commit([(*by_id[k], gs) for k, gs in compiled.items()]))
+            compiled.clear()
         return commits, direct
 
     def _direct_one(
@@ -1002,13 +995,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     taken.add(n)
             if taken:
                 rest = [t for n, t in enumerate(triples) if n not in taken]
-        commits = []
-        if rest:
-            commits.append(WeightCommit(
-                [GradientEdge(acc, 0) for _, acc, _ in rest], [g for _, _, g in rest],
-                [p for p, _, _ in rest], [acc for _, acc, _ in rest],
-            ))
-        return commits, direct
+        return ([_engine_commit([(p, acc, (g,)) for p, acc, g in rest])] if rest else []), direct
 
     def _direct(
         self,
