@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
+import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -529,6 +531,22 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def storage_ptrs(values: Sequence[Any]) -> set[int]:
+    """:func:`storage_ptr` of each plain tensor among ``values`` (other values
+    are skipped); where all are strided at offset 0, read in bulk (a tensor's
+    data pointer is then its storage's)."""
+    plain = torch.Tensor
+    tensors = [t for t in values if type(t) is plain]
+    if all(map(operator.is_, map(_layout_of, tensors), itertools.repeat(torch.strided))) and not any(
+        map(plain.storage_offset, tensors)
+    ):
+        return set(map(plain.data_ptr, tensors))
+    return {storage_ptr(t) for t in tensors}
+
+
+_layout_of = operator.attrgetter("layout")
+
+
 @functools.cache
 def _tensor_guards_class() -> Any:
     """Dynamo's ``TensorGuards``, where this torch has one that rejects what
@@ -699,6 +717,23 @@ def engine_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor], inputs:
 
     _engine_run_backward(
         tuple(roots), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def engine_grad(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[Any], retain_graph: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=retain_graph,
+    allow_unused=True)`` without its Python-side argument normalisation, for
+    a caller that has checked each gradient against its output (same shape and
+    dtype, defined) and passes plain tensors (no ``__torch_function__`` to
+    honour). The engine validates each gradient against its edge in C++, as
+    always. Relies on ``torch.autograd.graph._engine_run_backward``, which
+    ``torch.autograd.grad`` calls the same way (see :func:`engine_backward`)."""
+    from torch.autograd.graph import _engine_run_backward
+
+    return _engine_run_backward(
+        tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs), allow_unreachable=True, accumulate_grad=False
     )
 
 

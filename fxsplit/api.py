@@ -14,9 +14,10 @@ stay as they were. W itself is transactional (:mod:`fxsplit.pending`).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import time
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -201,15 +202,10 @@ def _light_edge(o: Output) -> Output:
     return gradient_edge(o)
 
 
-# The last weights _weights_list found to be parameters (weakly), so that a
-# stage handing the same weights to every B and W checks them once.
-_CHECKED_WEIGHTS: list[tuple[Any, ...]] = [()]
-
-
 def _weights_list(weights: Weights) -> list[torch.Tensor]:
     result = list(weights)
-    last = _CHECKED_WEIGHTS[0]
-    if len(last) == len(result) and all(r() is w for r, w in zip(last, result)):
+    # Parameters are leaf tensors: the common case is checked in one pass.
+    if all(map(isinstance, result, itertools.repeat(torch.nn.Parameter))):
         return result
     for w in result:
         if not isinstance(w, torch.Tensor):
@@ -219,8 +215,6 @@ def _weights_list(weights: Weights) -> list[torch.Tensor]:
                 f"fxsplit: weights must be leaf tensors (parameters); got a non-leaf tensor of shape "
                 f"{tuple(w.shape)} produced by {w.grad_fn.name()}"
             )
-    if all(isinstance(w, torch.nn.Parameter) for w in result):  # a leaf Parameter stays one
-        _CHECKED_WEIGHTS[0] = tuple(weakref.ref(w) for w in result)
     return result
 
 
@@ -314,18 +308,19 @@ def stage_backward_input(
     # set) run their dI graph only, and only while this call runs.
     retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
     call = InputCall(weights, release_saved=retain, keep=plan.rerun, handover=plan.region_starts,
-                     region_params=plan.region_params)
+                     region_params=plan.region_params, region_children=plan.region_children)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     try:
         if (grad_inputs or captures) and outs:
+            targets = [v for _, v in grad_inputs] + captures
             with registered(plan.split_regions, call):
-                results = torch.autograd.grad(
-                    outs,
-                    [v for _, v in grad_inputs] + captures,
-                    grad_outputs=grads,
-                    retain_graph=retain,
-                    allow_unused=True,
-                )
+                if not captures and all(type(t) is torch.Tensor for t in (*outs, *targets)):
+                    # Plain tensors, gradients checked above (_check_grads): the engine directly.
+                    results = ti.engine_grad(outs, grads, targets, retain)
+                else:
+                    results = torch.autograd.grad(
+                        outs, targets, grad_outputs=grads, retain_graph=retain, allow_unused=True
+                    )
                 for (k, _), g in zip(grad_inputs, results):
                     dinputs[k] = g
                 if captures:
@@ -407,7 +402,7 @@ def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> Pendin
     if param_groups.done:
         raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
     expected_weights = param_groups.weights
-    if len(expected_weights) == len(weights) and all(a is b for a, b in zip(expected_weights, weights)):
+    if len(expected_weights) == len(weights) and all(map(operator.is_, expected_weights, weights)):
         return param_groups  # the same weights in the same order: the common case
     given = {id(w) for w in weights}
     expected = {id(w) for w in param_groups.weights}

@@ -73,6 +73,9 @@ def _check(name: str, value: Any) -> None:
     choices = _CHOICES.get(name)
     if choices is None:
         raise AttributeError(f"fxsplit.config has no option {name!r} (options: {', '.join(_CHOICES)})")
+    for c in choices:
+        if value is c:
+            return  # the common case: one of the choices itself
     if not any(value is c or (isinstance(c, str) and value == c) for c in choices):
         raise ValueError(f"fxsplit.config.{name} must be one of {choices}, got {value!r}")
 

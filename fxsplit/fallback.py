@@ -50,6 +50,9 @@ not followed here.
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
+import operator
 import dataclasses
 import weakref
 from collections.abc import Iterable, Sequence
@@ -183,6 +186,9 @@ class EagerWeightPlan:
     # Per split region (compiled-only plans): the given parameter behind each
     # of its node's next_functions (None elsewhere), found by the plan's walk.
     region_params: dict[Node, list[torch.Tensor | None]] = dataclasses.field(default_factory=dict)
+    # Per split region (compiled-only plans): the node of each of its
+    # next_functions (None where an edge has none), as the walk read them.
+    region_children: dict[Node, list[Node | None]] = dataclasses.field(default_factory=dict)
 
     @property
     def eager_weights(self) -> list[torch.Tensor]:
@@ -360,6 +366,7 @@ def compiled_only_plan(
     regions: dict[Node, list[Node]] = {}
     found: set[int] = set()
     region_params: dict[Node, list[torch.Tensor | None]] = {}
+    region_children: dict[Node, list[Node | None]] = {}
     queue = [e.node for e in output_edges]
     while queue:
         node = queue.pop()
@@ -367,33 +374,37 @@ def compiled_only_plan(
             continue
         if not is_split_region(node):
             return None
-        below: list[Node] = []
-        regions[node] = below
-        params: list[torch.Tensor | None] = []
-        region_params[node] = params
-        for child, _ in node.next_functions:
-            if child is None:
-                params.append(None)
-                continue
-            if type(child) is accumulate_grad:
-                variable = child.variable
-                key = id(variable)
-                if key in leaves:
-                    inputs.add(child)
-                    below.append(child)
-                    params.append(None)
-                elif key in given and isinstance(variable, parameter):
-                    found.add(key)
-                    params.append(variable)
-                else:
-                    # A leaf that is not a given weight, or a plain-tensor weight (a region
-                    # computes its gradient in dI, as an input's): the general plan handles it.
-                    return None
+        # Read in bulk (C-level iteration), by where the grad accumulators sit
+        # among the node's children (one lookup per distinct arrangement).
+        children = list(map(_first, node.next_functions))
+        accumulators, others = _arrangement(tuple(map(type, children)), accumulate_grad)
+        params: list[torch.Tensor | None] = [None] * len(children)
+        below = [children[k] for k in others]
+        if accumulators:
+            variables = list(map(_variable, map(children.__getitem__, accumulators)))
+            ids = list(map(id, variables))
+            if leaves.isdisjoint(ids) and given.issuperset(ids) and all(
+                map(isinstance, variables, itertools.repeat(parameter))
+            ):
+                found.update(ids)
+                for k, variable in zip(accumulators, variables):
+                    params[k] = variable
             else:
-                params.append(None)
-                below.append(child)
-                if child not in inputs and child not in regions:
-                    queue.append(child)
+                for k, variable, key in zip(accumulators, variables, ids):
+                    if key in leaves:
+                        inputs.add(children[k])
+                        below.append(children[k])
+                    elif key in given and isinstance(variable, parameter):
+                        found.add(key)
+                        params[k] = variable
+                    else:
+                        # A leaf that is not a given weight, or a plain-tensor weight (a region
+                        # computes its gradient in dI, as an input's): the general plan handles it.
+                        return None
+        regions[node] = below
+        region_params[node] = params
+        region_children[node] = children
+        queue.extend(c for c in below if c not in inputs and c not in regions)
     if not regions or found != given:
         return None  # a given weight the outputs do not use: the general plan checks the weights
     # Every region must lead to a stage input (else its whole backward is W work).
@@ -408,7 +419,23 @@ def compiled_only_plan(
     if len(reaches) != len(regions):
         return None
     return EagerWeightPlan(
-        [], [], split_regions=list(regions), output_users=[[] for _ in output_edges], region_params=region_params
+        [], [], split_regions=list(regions), output_users=[[] for _ in output_edges], region_params=region_params,
+        region_children=region_children,
+    )
+
+
+_first = operator.itemgetter(0)
+_variable = operator.attrgetter("variable")
+
+
+@functools.lru_cache(maxsize=256)
+def _arrangement(kinds: tuple[type, ...], accumulate_grad: type) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """For a node whose children have these types: the positions of the grad
+    accumulators, and of the other nodes (not ``None``)."""
+    none = type(None)
+    return (
+        tuple(k for k, t in enumerate(kinds) if t is accumulate_grad),
+        tuple(k for k, t in enumerate(kinds) if t is not accumulate_grad and t is not none),
     )
 
 

@@ -48,6 +48,8 @@ work). :meth:`PendingWeightGrads.run` is W:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import threading
 import time
 import weakref
@@ -340,11 +342,13 @@ def _taken_unobserved(weight: torch.Tensor, grad: torch.Tensor, ptr: int, avoid:
     )
 
 
-# Per region (its runtime, weakly): the weights of the last W whose gradients
-# all had their weight's layout, and a guard that passes exactly the weights
-# and gradients with the same metadata as then (one C call instead of a
-# Python check per weight; a dW graph returns the same layouts every call).
-_DIRECT_GUARDS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+# Per region (its runtime, weakly): a guard that passes exactly the weights
+# and gradients with the metadata of those of an earlier W whose gradients all
+# had their weight's layout (one C call instead of a Python check per weight;
+# a dW graph returns the same layouts every call). Whether a gradient has its
+# weight's layout (_in_weight_layout) is a function of that metadata only, so
+# the guard needs not know which weights it was made on.
+_DIRECT_GUARDS: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
 
 
 def _direct_takes(
@@ -354,20 +358,78 @@ def _direct_takes(
     be ``None``; ``ptrs``: the gradients' storages), the metadata part decided
     once per region and set of weights, then guarded
     (:func:`fxsplit._torch_internals.metadata_guard`)."""
-    cached = _DIRECT_GUARDS.get(owner)
-    if (
-        cached is not None
-        and len(cached[0]) == len(weights)
-        and all(r() is w for r, w in zip(cached[0], weights))
-        and cached[1](*weights, *grads)
-    ):
+    if _guarded(owner, weights, grads):
         return [_taken_unobserved(w, g, ptr, avoid) for w, g, ptr in zip(weights, grads, ptrs)]
     laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
     if weights and all(laid_out):
-        guard = ti.metadata_guard([*weights, *grads])
-        if guard is not None:
-            _DIRECT_GUARDS[owner] = (tuple(weakref.ref(w) for w in weights), guard)
+        _remember_layout(owner, weights, grads)
     return [ok and _taken_unobserved(w, g, ptr, avoid) for ok, w, g, ptr in zip(laid_out, weights, grads, ptrs)]
+
+
+def _guarded(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    """Whether the guard :func:`_remember_layout` kept for ``owner`` passes
+    ``weights`` and ``grads``: then every pair is in its weight's layout
+    (:func:`_in_weight_layout`)."""
+    cached = _DIRECT_GUARDS.get(owner)
+    return cached is not None and cached[0] == len(weights) and cached[1](*weights, *grads)
+
+
+def _remember_layout(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Keep a guard for ``owner`` that passes exactly weights and gradients
+    with the metadata these have now (all in their weight's layout)."""
+    guard = ti.metadata_guard([*weights, *grads])
+    if guard is not None:
+        _DIRECT_GUARDS[owner] = (len(weights), guard)
+
+
+# Readers for C-level iteration over weights, gradients and (weight, ..., gradient) tuples.
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+_third = operator.itemgetter(2)
+_requires_grad = operator.attrgetter("requires_grad")
+_grad_of = operator.attrgetter("grad")
+_base_of = operator.attrgetter("_base")
+_dtype_of = operator.attrgetter("dtype")
+_hooks_of = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+_grad_dtype_of = operator.attrgetter("grad_dtype")
+
+
+def _grad_or_none(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.grad
+
+
+# Every torch fxsplit supports has both on every tensor (None when unset);
+# where one lacks them, the per-weight path below decides instead.
+_BULK_ATTRIBUTES = all(hasattr(torch.Tensor, a) for a in ("_post_accumulate_grad_hooks", "grad_dtype"))
+
+
+def _all_taken(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor], avoid: set[int]) -> bool:
+    """Whether :func:`takes_gradient_like_autograd` holds for every pair, all
+    weights distinct, decided over the lists at once (C-level iteration, no
+    per-weight Python): the guard where graphs meet (:func:`_guarded`), every
+    ``.grad`` empty, no hooks, ``grad_dtype`` each gradient's dtype, no
+    gradient a view, and each gradient alone at the start of its own storage,
+    none of them in ``avoid``. ``False`` says only that the per-weight
+    check must decide (it is stricter than that check where a gradient sits
+    at an offset in its storage or ``grad_dtype`` is unset)."""
+    n = len(weights)
+    if not n or not _BULK_ATTRIBUTES or len(set(map(id, weights))) != n or not _guarded(owner, weights, grads):
+        return False
+    none = itertools.repeat(None, n)
+    if not all(map(operator.is_, map(_grad_of, weights), none)):
+        return False
+    if any(itertools.chain.from_iterable(map(_hooks_of, weights))):
+        return False
+    if not all(map(operator.is_, map(_grad_dtype_of, weights), map(_dtype_of, grads))):
+        return False
+    if not all(map(operator.is_, map(_base_of, grads), itertools.repeat(None, n))):
+        return False
+    # At offset 0 a data pointer is its storage's (ti.storage_ptr): n distinct
+    # pointers are n storages.
+    if any(map(torch.Tensor.storage_offset, grads)):
+        return False
+    ptrs = set(map(torch.Tensor.data_ptr, grads))
+    return len(ptrs) == n and ptrs.isdisjoint(avoid)
 
 
 class _AccumulationCheck:
@@ -404,7 +466,7 @@ def _accumulating_like_autograd(record: CompiledWeightWork, wanted: set[int], mu
     owner = record.owner
     check = _ACCUMULATION_CHECKS.get(owner)
     if check is None or not _same(check, params):
-        if all(p is None or p.grad is None for p in params):
+        if all(map(operator.is_, map(_grad_or_none, params), itertools.repeat(None))):
             return ()  # nothing to add into (the first microbatch of a step)
         check = _decide(owner, params)
     positions = []
@@ -867,16 +929,25 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         """Commit each ``(weight, gradient)`` by ``weight.grad = gradient``. What
         happened is read off ``.grad`` afterwards, also after an interruption,
         so every weight is either committed (and recorded so) or untouched."""
-        position = {id(w): k for k, w in enumerate(self._weights)}
+        weights = list(map(_first, direct))
+        grads = list(map(_second, direct))
+        direct.clear()
         try:
-            for weight, grad in direct:
+            for weight, grad in zip(weights, grads):
                 weight.grad = grad
         finally:
-            for weight, grad in direct:
-                if weight.grad is grad:
-                    self._committed.add(id(weight))
-                    self.handed_over.append(position[id(weight)])
-            direct.clear()
+            mine = self._weights
+            if len(weights) == len(mine) and all(map(operator.is_, weights, mine)) and all(
+                map(operator.is_, map(_grad_of, weights), grads)
+            ):  # all of them, in B's order (the common case)
+                self._committed.update(map(id, weights))
+                self.handed_over.extend(range(len(mine)))
+            else:
+                position = {id(w): k for k, w in enumerate(mine)}
+                for weight, grad in zip(weights, grads):
+                    if weight.grad is grad:
+                        self._committed.add(id(weight))
+                        self.handed_over.append(position[id(weight)])
 
     def _compute(
         self, fused_accumulation: bool | None
@@ -885,7 +956,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         the commits that remain: through autograd's engine, and ``(weight,
         gradient)`` pairs an empty ``.grad`` takes as they are
         (:func:`takes_gradient_like_autograd`)."""
-        wanted = {id(w) for w in self._weights if w.requires_grad and id(w) not in self._committed}
+        wanted = set(map(id, filter(_requires_grad, self._weights)))
+        if self._committed:
+            wanted -= self._committed
         # 0. the dW graphs that accumulate into .grad, compiled on first use:
         # a compile error here changes nothing.
         accumulating: dict[int, tuple[ti.BoxedCallable, tuple[int, ...]]] = {}
@@ -963,9 +1036,14 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         engine of what an empty ``.grad`` does not take as it is, and the
         ``(weight, gradient)`` pairs it does. ``None`` where a weight has two
         gradients (the general path sums them)."""
+        allowed = self._fusion_allowed(record, switch)
+        if allowed:
+            weights = list(map(_first, triples))
+            grads = list(map(_third, triples))
+            if _all_taken(record.owner, weights, grads, record.held_elsewhere):
+                return [], list(zip(weights, grads))  # the common case, decided without a per-weight loop
         plain = torch.Tensor
         storage_ptr = ti.storage_ptr
-        allowed = self._fusion_allowed(record, switch)
         ids: set[int] = set()
         seen: set[int] = set()
         shared: set[int] = set()

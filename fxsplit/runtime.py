@@ -92,10 +92,12 @@ class InputCall:
     ``region_params``: per region node, the given parameter behind each of
     its ``next_functions`` (``None`` elsewhere), where B's plan found them
     already; other regions look them up by ``weight_ids``.
+    ``region_children``: for the same nodes, the node of each of their
+    ``next_functions`` (``None`` where an edge has none), as the plan read them.
     """
 
     __slots__ = ("_weights", "_weight_ids", "records", "deferred", "release_saved", "keep", "handover", "timings",
-                 "region_params")
+                 "region_params", "region_children")
 
     def __init__(
         self,
@@ -104,10 +106,12 @@ class InputCall:
         keep: Iterable[Any] = (),
         handover: Iterable[Any] | None = None,
         region_params: Mapping[Any, Sequence[Any]] | None = None,
+        region_children: Mapping[Any, Sequence[Any]] | None = None,
     ) -> None:
         self._weights = weights
         self._weight_ids: frozenset[int] | None = None
         self.region_params = region_params or {}
+        self.region_children = region_children or {}
         self.records: list[CompiledWeightWork] = []
         self.deferred: list[DeferredGrad] = []
         self.release_saved = release_saved
@@ -194,7 +198,8 @@ class CompiledWeightWork:
     drops the live-ins once W has committed the gradients.
     """
 
-    __slots__ = ("_owner", "_live_ins", "params", "accumulators", "slot", "held_elsewhere", "_storages", "__weakref__")
+    __slots__ = ("_owner", "_live_ins", "params", "accumulators", "slot", "_di_storages", "_held", "_storages",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -203,14 +208,13 @@ class CompiledWeightWork:
         params: list[torch.Tensor | None],
         accumulators: list[Any] | None = None,
         slot: Slot | None = None,
-        held_elsewhere: frozenset[int] = frozenset(),
+        di_storages: frozenset[int] = frozenset(),
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
-        # Storages (data pointers) of tensors others hold too: live-ins that are
-        # the backward's own inputs, the input gradients B returned. A dW output
-        # in one of them is someone else's, as autograd would see it.
-        self.held_elsewhere = held_elsewhere
+        # Storages of the input gradients B returned (see held_elsewhere).
+        self._di_storages = di_storages
+        self._held: frozenset[int] | None = None
         self._storages: set[int] | None = None
         # The CUDA graph slot whose buffers hold the live-ins (fxsplit.cudagraphs), held until release.
         self.slot = slot
@@ -290,12 +294,36 @@ class CompiledWeightWork:
         """Data pointers of the live-ins' storages (a ``.grad`` sharing one must
         not be written inside the graph that reads it)."""
         if self._storages is None:
-            self._storages = {ti.storage_ptr(v) for v in self._live_ins or () if isinstance(v, torch.Tensor)}
+            live = [v for v in self._live_ins or () if isinstance(v, torch.Tensor)]
+            if all(type(v) is torch.Tensor for v in live):
+                self._storages = ti.storage_ptrs(live)
+            else:
+                self._storages = {ti.storage_ptr(v) for v in live}
         return self._storages
+
+    @property
+    def held_elsewhere(self) -> frozenset[int]:
+        """Storages (data pointers) of plain tensors others hold too, while the
+        live-ins are held: the live-ins that are the backward's own inputs,
+        and the input gradients B returned that are live-ins as well. A dW
+        output in one of them is someone else's, as autograd would see it.
+        A dW graph's outputs share storage only with its inputs (the
+        live-ins), so an input gradient that is no live-in is left out: its
+        storage may have been freed since B and be a new output's."""
+        if self._held is None:
+            live = self._check()
+            owner = self._owner
+            base = len(owner.split.di_outputs)
+            held = ti.storage_ptrs([live[i - base] for i in owner._passthrough])
+            if self._di_storages:
+                held |= self._di_storages & self.live_in_storages()
+            self._held = frozenset(held)
+        return self._held
 
     def release(self) -> None:
         self._live_ins = None
         self._storages = None
+        self._held = None
         if self.slot is not None:
             self.slot.release()
             self.slot = None
@@ -586,14 +614,19 @@ class CompiledSplitBackward:
     ) -> list[Any]:
         # Outside the autograd engine: reproduce the state it runs backward
         # graphs in (no grad mode; the graph is already autocast-lowered).
-        with torch.no_grad(), ti.autocast_disabled():
-            t0 = time.perf_counter_ns()
-            out = None
-            if slot is not None and self._capture is not None:
-                out = self._capture.run_dw(slot, self._run_dw, live_ins)
-            if out is None:
-                out = list(self._run_dw(live_ins))
-            dt = time.perf_counter_ns() - t0
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            with ti.autocast_disabled():
+                t0 = time.perf_counter_ns()
+                out = None
+                if slot is not None and self._capture is not None:
+                    out = self._capture.run_dw(slot, self._run_dw, live_ins)
+                if out is None:
+                    out = list(self._run_dw(live_ins))
+                dt = time.perf_counter_ns() - t0
+        finally:
+            torch._C._set_grad_enabled(grad_was)
         self._count("dW", dt, timings, "w_graph_ns")
         self.stats["dw_runs"] += 1
         return out
@@ -704,47 +737,57 @@ class CompiledSplitBackward:
         return self._input_only(call, node, args)
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
-        edges = node.next_functions
-        if len(edges) != self._num_edges:
-            self.layout.edges_by_input(edges, self.name)  # raises, naming the mismatch
+        # The plan's reading of the node's edges, where B's plan made one.
+        children = call.region_children.get(node)
+        edges = node.next_functions if children is None else None
+        if len(edges if children is None else children) != self._num_edges:
+            self.layout.edges_by_input(node.next_functions, self.name)  # raises, naming the mismatch
         if self._subclass_grads is None and self._has_subclass_inputs:
             self._subclass_grads = ti.SubclassGradients.of(node)
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
         try:
-            return self._record(call, node, edges, di_vals, live, slot)
+            return self._record(call, node, edges, children, di_vals, live, slot)
         except BaseException:
             if slot is not None:
                 slot.release_if_untaken()  # B failed before its W work took the slot over
             raise
 
     def _record(
-        self, call: InputCall, node: Any, edges: Sequence[Any], di_vals: list[Any], live: list[Any], slot: Slot | None
+        self,
+        call: InputCall,
+        node: Any,
+        edges: Sequence[Any] | None,
+        children: Sequence[Any] | None,
+        di_vals: list[Any],
+        live: list[Any],
+        slot: Slot | None,
     ) -> list[Any]:
+        """Record the W work of ``node`` for ``call`` and return the backward's
+        outputs B hands on. ``edges``: the node's ``next_functions``, or ``None``
+        where the plan read them as ``children`` (their nodes) and found the
+        parameters (``call.region_params``)."""
         if call.release_saved and node not in call.keep:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
-        found = call.region_params.get(node)
-        if found is not None:
+        found = call.region_params.get(node) if children is not None else None
+        if found is not None and children is not None:
             params = [found[j] if j is not None else None for j in self._weight_edges]
-            accumulators = [edges[j][0] if p is not None else None for j, p in zip(self._weight_edges, params)]
+            accumulators = [children[j] if p is not None else None for j, p in zip(self._weight_edges, params)]
         else:
+            if edges is None:
+                edges = node.next_functions
             params, accumulators = self._params_of(edges, call.weight_ids)
-        n = len(di_vals)
-        held = frozenset(
-            ti.storage_ptr(t)
-            for t in (*di_vals, *(live[i - n] for i in self._passthrough))
-            if type(t) is torch.Tensor
-        )
-        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot, held))
+        di_storages = frozenset(ti.storage_ptrs(di_vals))
+        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot, di_storages))
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
         if call.handover is not None and node not in call.handover:
             return result
         handed: set[int] = set()
-        edges = self.layout.edges_by_output(edges, self.name)
+        edges = self.layout.edges_by_output(edges if edges is not None else node.next_functions, self.name)
         for i in self.split.di_outputs:
             owner = self.layout.owners[i]
             fn, input_nr = edges[i] if edges[i] is not None else (None, 0)

@@ -321,3 +321,116 @@ def test_storage_pointer_without_a_storage_object() -> None:
     buf = torch.randn(40)
     for t in (buf, buf[7:], buf[3:].view(37)[5:], buf.view(5, 8).mT, torch.empty(0)):
         assert ti.storage_ptr(t) == t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -> None:
+    """Once W has taken every gradient of a region as it is (decided over the
+    weights at once), what can change between steps without any layout
+    changing is still read every time: a tensor hook, a post-accumulate-grad
+    hook, a ``.grad`` left from the step before. Each step's
+    gradients, ``.grad`` tensors and hook calls are those of ordinary backward
+    on an identical copy, and the bulk decision is made where nothing changed."""
+    from fxsplit import pending
+
+    torch.manual_seed(0)
+    # No biases: a bias gradient may be a view of a live-in (eager compiler),
+    # which W never takes as it is.
+    base = nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.Linear(32, 16, bias=False),
+                         nn.Tanh(), nn.Linear(16, 16, bias=False))
+    mod, ref = copy.deepcopy(base), copy.deepcopy(base)
+    backend = fxsplit.backend(compiler=compiler)
+    compiled, ordinary = torch.compile(mod, backend=backend), torch.compile(ref, backend=backend)
+    params, refs = list(mod.parameters()), list(ref.parameters())
+    x, g = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    calls: dict[str, list[Any]] = {"split": [], "ordinary": []}
+    handles: list[Any] = []
+    bulk: list[bool] = []
+    real = pending._all_taken
+
+    def counting(*args: Any) -> bool:
+        result = real(*args)
+        bulk.append(result)
+        return result
+
+    pending._all_taken = counting
+    try:
+        for step in range(7):
+            keep = step == 4  # .grad of params[2] left from step 3: accumulated into
+            for k, (p, q) in enumerate(zip(params, refs)):
+                if not (keep and k == 2):
+                    p.grad = q.grad = None
+            if step == 2:  # a tensor hook that changes the gradient
+                for who, w in (("split", params[0]), ("ordinary", refs[0])):
+                    handles.append(w.register_hook(lambda t, who=who: calls[who].append(("hook", t.clone())) or t * 2))
+            if step == 3:  # a post-accumulate-grad hook
+                for who, w in (("split", params[1]), ("ordinary", refs[1])):
+                    handles.append(w.register_post_accumulate_grad_hook(
+                        lambda p, who=who: calls[who].append(("post", p.grad.clone()))))
+            if step == 5:
+                for h in handles:
+                    h.remove()
+                handles.clear()
+            bulk.clear()
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            (dx,), work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
+            fxsplit.stage_backward_weight(params, work)
+            ordinary(xb).backward(g)
+            torch.testing.assert_close(dx, xb.grad, rtol=0, atol=0)
+            for (name, p), q in zip(mod.named_parameters(), refs):
+                assert p.grad.stride() == q.grad.stride(), (step, name)
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"step {step}: {name}")
+            for kind in ("hook", "post"):  # autograd orders no hooks of different weights
+                mine = [t for k, t in calls["split"] if k == kind]
+                theirs = [t for k, t in calls["ordinary"] if k == kind]
+                assert len(mine) == len(theirs), (step, kind)
+                for a, b in zip(mine, theirs):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)
+            if step in (1, 5, 6):  # nothing observes the accumulation: all taken, as they are
+                assert sorted(work.handed_over) == list(range(len(params))), step
+            if step in (1, 6):  # ... in one decision (step 5 makes the guard for the whole set again)
+                assert bulk == [True], step
+            if step in (2, 3, 4):  # the weight that changed goes the way autograd would
+                assert True not in bulk, step
+                assert {2: 0, 3: 1, 4: 2}[step] not in work.handed_over, step
+        assert sorted(k for k, _ in calls["split"]) == ["hook"] * 3 + ["post"] * 2
+    finally:
+        pending._all_taken = real
+        for h in handles:
+            h.remove()
+
+
+def test_storage_pointers_in_bulk() -> None:
+    """``storage_ptrs``: each plain tensor's storage, other values skipped, in
+    bulk where every tensor starts its storage and per tensor otherwise."""
+    from fxsplit import _torch_internals as ti
+
+    buf, other = torch.randn(40), torch.randn(3, 4)
+    at_start = [buf, None, other.mT, 3, torch.empty(0)]
+    assert ti.storage_ptrs(at_start) == {t.untyped_storage().data_ptr() for t in at_start if isinstance(t, torch.Tensor)}
+    offset = [buf[7:], other, buf.view(5, 8)[1:].mT]
+    assert ti.storage_ptrs(offset) == {buf.untyped_storage().data_ptr(), other.untyped_storage().data_ptr()}
+    assert ti.storage_ptrs([]) == set()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_input_gradients_count_as_held_only_where_they_are_live_ins(compiler: str) -> None:
+    """W does not take as it is a dW output that shares storage with a tensor
+    someone else holds. An input gradient B returned is such a tensor only
+    where it is also a live-in (a dW output can share storage only with its
+    inputs): one that is not may be freed after B and its memory become a dW
+    output's, which W must still take as autograd would."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False)
+    compiled = torch.compile(lin, backend=fxsplit.backend(compiler=compiler))
+    params = list(lin.parameters())
+    for _ in range(2):
+        lin.weight.grad = None
+        x = torch.randn(8, 8, requires_grad=True)
+        (dx,), work = fxsplit.stage_backward_input([compiled(x)], [torch.randn(8, 8)], [x], params)
+        (record,) = work.compiled
+        held = record.held_elsewhere
+        assert dx.untyped_storage().data_ptr() not in held
+        assert held <= record.live_in_storages()
+        fxsplit.stage_backward_weight(params, work)
+        assert work.handed_over == [0]
