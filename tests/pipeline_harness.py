@@ -1,7 +1,7 @@
 """Multi-process harness for the pipelining tests (CPU, gloo, world size 2).
 
-The parent (pytest) calls :func:`run_world`: it spawns ``world_size``
-processes, each of which runs every case in ``cases`` under one gloo process
+The parent (pytest) calls :func:`run_world`: it starts ``world_size``
+processes (forked from a server that imported torch once), each of which runs every case in ``cases`` under one gloo process
 group and reports back through a queue. Exceptions in a rank come back as
 their traceback and are raised in the parent; a rank that neither reports
 nor exits in time is killed and the parent fails with a timeout (no hangs).
@@ -435,6 +435,27 @@ def _worker(rank: int, world: int, port: int, cases: list[Any], results: Any, ti
         results.put(("error", rank, traceback.format_exc()))
 
 
+# What a rank imports before it runs anything: loaded once, by the fork server.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "torch._dynamo",
+            "torch._inductor.compile_fx", "fxsplit", "fxsplit.pipelining", __name__]
+
+
+def _rank_context() -> Any:
+    """Ranks start from a fork server that imported torch and fxsplit once
+    (``forkserver`` with a preload, made on the first world and reused by the
+    next): a rank then costs a fork instead of a fresh interpreter's imports
+    (seconds of CPU each, on a 2-core machine running up to 8 ranks). The
+    server is started from this process, with its environment (conftest's
+    ``FXSPLIT_FALLBACK=error`` included) and ``sys.path``. Where there is no
+    fork server (not POSIX), ranks are spawned."""
+    try:
+        ctx = mp.get_context("forkserver")
+    except ValueError:
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -455,7 +476,7 @@ def run_world(cases: list[Any], world: int = 2, timeout_s: float = 240.0,
     Raises :class:`WorldFailed` with the rank's traceback if any rank fails,
     exits without reporting, or does not finish within ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, cases, results, timeout_s, runner), daemon=True)
