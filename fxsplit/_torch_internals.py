@@ -533,18 +533,20 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 def storage_ptrs(values: Sequence[Any]) -> set[int]:
     """:func:`storage_ptr` of each plain tensor among ``values`` (other values
-    are skipped); where all are strided at offset 0, read in bulk (a tensor's
+    are skipped); where all start their storage, read in bulk (a tensor's
     data pointer is then its storage's)."""
-    plain = torch.Tensor
-    tensors = [t for t in values if type(t) is plain]
-    if all(map(operator.is_, map(_layout_of, tensors), itertools.repeat(torch.strided))) and not any(
-        map(plain.storage_offset, tensors)
-    ):
-        return set(map(plain.data_ptr, tensors))
+    tensors = [t for t in values if type(t) is _PLAIN]
+    try:
+        if not any(map(_storage_offset, tensors)):
+            return set(map(_data_ptr, tensors))
+    except RuntimeError:  # a layout without strided storage: storage_ptr decides
+        pass
     return {storage_ptr(t) for t in tensors}
 
 
-_layout_of = operator.attrgetter("layout")
+_PLAIN = torch.Tensor
+_storage_offset = torch.Tensor.storage_offset
+_data_ptr = torch.Tensor.data_ptr
 
 
 @functools.cache
