@@ -50,10 +50,10 @@ not followed here.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import operator
-import dataclasses
 import weakref
 from collections.abc import Iterable, Sequence
 

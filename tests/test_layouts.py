@@ -422,15 +422,20 @@ def test_input_gradients_count_as_held_only_where_they_are_live_ins(compiler: st
     output's, which W must still take as autograd would."""
     torch.manual_seed(0)
     lin = nn.Linear(8, 8, bias=False)
+    ref = copy.deepcopy(lin)  # ordinary backward, uncompiled
     compiled = torch.compile(lin, backend=fxsplit.backend(compiler=compiler))
     params = list(lin.parameters())
     for _ in range(2):
-        lin.weight.grad = None
-        x = torch.randn(8, 8, requires_grad=True)
-        (dx,), work = fxsplit.stage_backward_input([compiled(x)], [torch.randn(8, 8)], [x], params)
+        lin.weight.grad = ref.weight.grad = None
+        x, g = torch.randn(8, 8), torch.randn(8, 8)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (dx,), work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
         (record,) = work.compiled
         held = record.held_elsewhere
         assert dx.untyped_storage().data_ptr() not in held
         assert held <= record.live_in_storages()
+        del dx, xa  # the input gradient is freed before W: its memory is free for W's outputs
         fxsplit.stage_backward_weight(params, work)
         assert work.handed_over == [0]
+        ref(xb).backward(g)
+        torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
