@@ -332,7 +332,8 @@ def _in_weight_layout(weight: torch.Tensor, grad: Any) -> bool:
 def _taken_unobserved(weight: torch.Tensor, grad: torch.Tensor, ptr: int, avoid: set[int]) -> bool:
     """The rest of :func:`takes_gradient_like_autograd`: what can change
     without any tensor's metadata changing (hooks, ``grad_dtype``, who else
-    holds the gradient, whose storage is at ``ptr``)."""
+    holds the gradient, whose storage is at ``ptr``). :func:`_all_taken`
+    reads the same conditions over a whole region at once: keep the two in step."""
     return (
         not weight._backward_hooks
         and not getattr(weight, "_post_accumulate_grad_hooks", None)
@@ -403,17 +404,18 @@ def _grad_or_none(p: torch.Tensor | None) -> torch.Tensor | None:
 _BULK_ATTRIBUTES = all(hasattr(torch.Tensor, a) for a in ("_post_accumulate_grad_hooks", "grad_dtype"))
 
 
-def _all_taken(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor], avoid: set[int]) -> bool:
+def _all_taken(record: CompiledWeightWork, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
     """Whether :func:`takes_gradient_like_autograd` holds for every pair, all
     weights distinct, decided over the lists at once (C-level iteration, no
     per-weight Python): the guard where graphs meet (:func:`_guarded`), every
     ``.grad`` empty, no hooks, ``grad_dtype`` each gradient's dtype, no
     gradient a view, and each gradient alone at the start of its own storage,
-    none of them in ``avoid``. ``False`` says only that the per-weight
-    check must decide (it is stricter than that check where a gradient sits
-    at an offset in its storage or ``grad_dtype`` is unset)."""
+    none of them held elsewhere (``record.held_elsewhere``, read last).
+    ``False`` says only that the per-weight check must decide (it is
+    stricter than that check where a gradient sits at an offset in its
+    storage or ``grad_dtype`` is unset)."""
     n = len(weights)
-    if not n or not _BULK_ATTRIBUTES or len(set(map(id, weights))) != n or not _guarded(owner, weights, grads):
+    if not n or not _BULK_ATTRIBUTES or len(set(map(id, weights))) != n or not _guarded(record.owner, weights, grads):
         return False
     none = itertools.repeat(None, n)
     if not all(map(operator.is_, map(_grad_of, weights), none)):
@@ -429,7 +431,7 @@ def _all_taken(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor
     if any(map(torch.Tensor.storage_offset, grads)):
         return False
     ptrs = set(map(torch.Tensor.data_ptr, grads))
-    return len(ptrs) == n and ptrs.isdisjoint(avoid)
+    return len(ptrs) == n and ptrs.isdisjoint(record.held_elsewhere)
 
 
 class _AccumulationCheck:
@@ -1040,7 +1042,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         if allowed:
             weights = list(map(_first, triples))
             grads = list(map(_third, triples))
-            if _all_taken(record.owner, weights, grads, record.held_elsewhere):
+            if _all_taken(record, weights, grads):
                 return [], list(zip(weights, grads))  # the common case, decided without a per-weight loop
         plain = torch.Tensor
         storage_ptr = ti.storage_ptr

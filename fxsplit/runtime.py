@@ -614,19 +614,14 @@ class CompiledSplitBackward:
     ) -> list[Any]:
         # Outside the autograd engine: reproduce the state it runs backward
         # graphs in (no grad mode; the graph is already autocast-lowered).
-        grad_was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            with ti.autocast_disabled():
-                t0 = time.perf_counter_ns()
-                out = None
-                if slot is not None and self._capture is not None:
-                    out = self._capture.run_dw(slot, self._run_dw, live_ins)
-                if out is None:
-                    out = list(self._run_dw(live_ins))
-                dt = time.perf_counter_ns() - t0
-        finally:
-            torch._C._set_grad_enabled(grad_was)
+        with torch.no_grad(), ti.autocast_disabled():
+            t0 = time.perf_counter_ns()
+            out = None
+            if slot is not None and self._capture is not None:
+                out = self._capture.run_dw(slot, self._run_dw, live_ins)
+            if out is None:
+                out = list(self._run_dw(live_ins))
+            dt = time.perf_counter_ns() - t0
         self._count("dW", dt, timings, "w_graph_ns")
         self.stats["dw_runs"] += 1
         return out
@@ -771,8 +766,8 @@ class CompiledSplitBackward:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
-        found = call.region_params.get(node) if children is not None else None
-        if found is not None and children is not None:
+        found = call.region_params.get(node)
+        if children is not None and found is not None:
             params = [found[j] if j is not None else None for j in self._weight_edges]
             accumulators = [children[j] if p is not None else None for j, p in zip(self._weight_edges, params)]
         else:
