@@ -535,13 +535,19 @@ def storage_ptrs(values: Sequence[Any]) -> set[int]:
     """:func:`storage_ptr` of each plain tensor among ``values`` (other values
     are skipped); where all start their storage, read in bulk (a tensor's
     data pointer is then its storage's)."""
-    tensors = [t for t in values if type(t) is _PLAIN]
+    tensors = values if all_plain(values) else [t for t in values if type(t) is _PLAIN]
     try:
         if not any(map(_storage_offset, tensors)):
             return set(map(_data_ptr, tensors))
     except RuntimeError:  # a layout without strided storage: storage_ptr decides
         pass
     return {storage_ptr(t) for t in tensors}
+
+
+def all_plain(values: Sequence[Any]) -> bool:
+    """Whether every value is a plain ``torch.Tensor`` (no subclass, no other
+    object), decided in one C-level pass."""
+    return all(map(operator.is_, map(type, values), itertools.repeat(_PLAIN)))
 
 
 _PLAIN = torch.Tensor

@@ -72,6 +72,7 @@ class MissingOutputGradError(ValueError, AssertionError):
 # new forward's output: Inductor's cudagraph trees (mode="reduce-overhead")
 # return the same tensor object from every replay of a forward.
 _B_DONE = "_fxsplit_b_done"
+_GRAD_OF = operator.attrgetter("grad")
 
 
 def _b_ran_on(o: torch.Tensor) -> bool:
@@ -468,7 +469,7 @@ def stage_backward_weight(
     work.run(fused_accumulation)
     if message:
         log.debug("%s", message)
-    return tuple(w.grad for w in weights)
+    return tuple(map(_GRAD_OF, weights))
 
 
 def _w_message(work: PendingWeightGrads) -> str:

@@ -55,13 +55,14 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from fxsplit import _torch_internals as ti
-from fxsplit.runtime import CompiledSplitBackward
+from fxsplit.runtime import CompiledSplitBackward, items_getter
 
 __all__ = ["EagerWeightPlan", "WeightGroup", "compiled_only_plan", "gradient_edge", "plan_eager_weight_work"]
 
@@ -359,7 +360,7 @@ def compiled_only_plan(
         return None
     inputs = set(input_nodes)
     leaves = {id(t) for t in input_leaves}
-    given = {id(w) for w in weights if w.requires_grad}
+    given = set(map(id, itertools.compress(weights, map(_requires_grad, weights))))
     accumulate_grad = ti.accumulate_grad_type()
     parameter = torch.nn.Parameter
     # region -> the nodes below it that are regions or inputs (for the check below)
@@ -377,30 +378,31 @@ def compiled_only_plan(
         # Read in bulk (C-level iteration), by where the grad accumulators sit
         # among the node's children (one lookup per distinct arrangement).
         children = list(map(_first, node.next_functions))
-        accumulators, others = _arrangement(tuple(map(type, children)), accumulate_grad)
-        params: list[torch.Tensor | None] = [None] * len(children)
+        accumulators, others, spread = _arrangement(tuple(map(type, children)), accumulate_grad)
         below = [children[k] for k in others]
         if accumulators:
             variables = list(map(_variable, map(children.__getitem__, accumulators)))
             ids = list(map(id, variables))
-            if leaves.isdisjoint(ids) and given.issuperset(ids) and all(
-                map(isinstance, variables, itertools.repeat(parameter))
-            ):
-                found.update(ids)
-                for k, variable in zip(accumulators, variables):
-                    params[k] = variable
-            else:
-                for k, variable, key in zip(accumulators, variables, ids):
-                    if key in leaves:
-                        inputs.add(children[k])
-                        below.append(children[k])
-                    elif key in given and isinstance(variable, parameter):
-                        found.add(key)
-                        params[k] = variable
-                    else:
-                        # A leaf that is not a given weight, or a plain-tensor weight (a region
-                        # computes its gradient in dI, as an input's): the general plan handles it.
-                        return None
+            weights_here = variables
+            if not leaves.isdisjoint(ids):
+                # Stage inputs that are leaves (their accumulators are inputs, not weights).
+                is_leaf = list(map(leaves.__contains__, ids))
+                for k in itertools.compress(accumulators, is_leaf):
+                    inputs.add(children[k])
+                    below.append(children[k])
+                weights_here = list(variables)
+                for n in itertools.compress(range(len(is_leaf)), is_leaf):
+                    weights_here[n] = None
+                ids = list(itertools.compress(ids, map(operator.not_, is_leaf)))
+                variables = list(itertools.compress(variables, map(operator.not_, is_leaf)))
+            if not (given.issuperset(ids) and all(map(isinstance, variables, itertools.repeat(parameter)))):
+                # A leaf that is not a given weight, or a plain-tensor weight (a region
+                # computes its gradient in dI, as an input's): the general plan handles it.
+                return None
+            found.update(ids)
+            params = spread(weights_here)
+        else:
+            params = [None] * len(children)
         regions[node] = below
         region_params[node] = params
         region_children[node] = children
@@ -426,16 +428,25 @@ def compiled_only_plan(
 
 _first = operator.itemgetter(0)
 _variable = operator.attrgetter("variable")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 @functools.lru_cache(maxsize=256)
-def _arrangement(kinds: tuple[type, ...], accumulate_grad: type) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _arrangement(
+    kinds: tuple[type, ...], accumulate_grad: type
+) -> tuple[tuple[int, ...], tuple[int, ...], Callable[[list[Any]], list[Any]]]:
     """For a node whose children have these types: the positions of the grad
-    accumulators, and of the other nodes (not ``None``)."""
+    accumulators, of the other nodes (not ``None``), and a function spreading
+    one value per accumulator over the children's positions (``None`` at the
+    others), as a list."""
     none = type(None)
+    accumulators = tuple(k for k, t in enumerate(kinds) if t is accumulate_grad)
+    at = {k: n for n, k in enumerate(accumulators)}
+    gather = items_getter([at.get(k, len(accumulators)) for k in range(len(kinds))])
     return (
-        tuple(k for k, t in enumerate(kinds) if t is accumulate_grad),
+        accumulators,
         tuple(k for k, t in enumerate(kinds) if t is not accumulate_grad and t is not none),
+        lambda values: gather([*values, None]),
     )
 
 

@@ -47,6 +47,7 @@ work). :meth:`PendingWeightGrads.run` is W:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import operator
@@ -391,7 +392,8 @@ _requires_grad = operator.attrgetter("requires_grad")
 _grad_of = operator.attrgetter("grad")
 _base_of = operator.attrgetter("_base")
 _dtype_of = operator.attrgetter("dtype")
-_hooks_of = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+_tensor_hooks_of = operator.attrgetter("_backward_hooks")
+_post_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
 _grad_dtype_of = operator.attrgetter("grad_dtype")
 
 
@@ -420,7 +422,7 @@ def _all_taken(record: CompiledWeightWork, weights: list[torch.Tensor], grads: l
     none = itertools.repeat(None, n)
     if not all(map(operator.is_, map(_grad_of, weights), none)):
         return False
-    if any(itertools.chain.from_iterable(map(_hooks_of, weights))):
+    if any(map(_tensor_hooks_of, weights)) or any(map(_post_hooks_of, weights)):
         return False
     if not all(map(operator.is_, map(_grad_dtype_of, weights), map(_dtype_of, grads))):
         return False
@@ -468,7 +470,9 @@ def _accumulating_like_autograd(record: CompiledWeightWork, wanted: set[int], mu
     owner = record.owner
     check = _ACCUMULATION_CHECKS.get(owner)
     if check is None or not _same(check, params):
-        if all(map(operator.is_, map(_grad_or_none, params), itertools.repeat(None))):
+        none = itertools.repeat(None)
+        grads = map(_grad_or_none if any(map(operator.is_, params, none)) else _grad_of, params)
+        if all(map(operator.is_, grads, none)):
             return ()  # nothing to add into (the first microbatch of a step)
         check = _decide(owner, params)
     positions = []
@@ -605,6 +609,19 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self._weights = tuple(weights)
         self.compiled = compiled
         self.groups = groups
+        # The common case, which W decides without its general steps
+        # (_compute_one): one compiled region and no eager code, the region's
+        # weights exactly B's, in B's order, all distinct.
+        one = compiled[0] if len(compiled) == 1 and not groups else None
+        n = len(self._weights)
+        self._single = (
+            one
+            if one is not None
+            and len(one.params) == n
+            and all(map(operator.is_, one.params, self._weights))
+            and len(set(map(id, self._weights))) == n
+            else None
+        )
         # Regions B ran dI for: W's eager calls may pass through them and must
         # not run them again. Weak: W only needs the ones its graph still holds.
         self._split_regions = [weakref.ref(n) for n in split_regions] if groups else []
@@ -913,7 +930,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     def _compute_and_commit(self, fused_accumulation: bool | None = None) -> None:
         # The commits are built in their own frame: once it returns, the
         # commits hold the only references to W's gradients (see _HandOver).
-        commits, direct = self._compute(fused_accumulation)
+        one = self._compute_one(fused_accumulation)
+        commits, direct = one if one is not None else self._compute(fused_accumulation)
         if direct:
             self._take(direct)
         if not commits:
@@ -935,8 +953,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         grads = list(map(_second, direct))
         direct.clear()
         try:
-            for weight, grad in zip(weights, grads):
-                weight.grad = grad
+            collections.deque(map(setattr, weights, itertools.repeat("grad"), grads), maxlen=0)
         finally:
             mine = self._weights
             if len(weights) == len(mine) and all(map(operator.is_, weights, mine)) and all(
@@ -950,6 +967,25 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     if weight.grad is grad:
                         self._committed.add(id(weight))
                         self.handed_over.append(position[id(weight)])
+
+    def _compute_one(
+        self, fused_accumulation: bool | None
+    ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """What :meth:`_compute` returns, in the common case, without its
+        general steps: one region whose weights are exactly B's (``_single``),
+        nothing committed yet, every weight requiring a gradient and every
+        ``.grad`` empty (so nothing accumulates inside the graph, step 0): run
+        the dW graph and decide every commit in one pass (:meth:`_direct_one`).
+        ``None`` where that does not hold, before anything has run."""
+        record = self._single
+        if record is None or self._committed:
+            return None
+        weights = self._weights
+        if not all(map(_requires_grad, weights)) or not all(
+            map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
+        ):
+            return None
+        return self._direct_one(record, record.compute(None, self.timings), fused_accumulation)
 
     def _compute(
         self, fused_accumulation: bool | None

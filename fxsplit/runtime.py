@@ -29,7 +29,9 @@ is then named by a thread-local for the duration of that call.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -61,6 +63,16 @@ __all__ = [
 _CALL_ATTR = "_fxsplit_split_call"
 # Accumulating dW variants compiled per region, at most (see accumulating_graph).
 _MAX_VARIANTS = 8
+
+
+def items_getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function returning ``[seq[k] for k in positions]`` in one C-level call."""
+    if not positions:
+        return lambda seq: []
+    get = operator.itemgetter(*positions)
+    if len(positions) == 1:
+        return lambda seq: [get(seq)]
+    return lambda seq: list(get(seq))
 
 
 class DeferredGrad:
@@ -254,6 +266,14 @@ class CompiledWeightWork:
         return self._live_ins
 
     def _select(self, grads: Sequence[Any], wanted: set[int] | None) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+        params = self.params
+        none = itertools.repeat(None)
+        if (
+            not any(map(operator.is_, params, none))
+            and not any(map(operator.is_, grads, none))
+            and (wanted is None or wanted.issuperset(map(id, params)))
+        ):  # every weight given to B and wanted, every gradient computed (the common case)
+            return list(zip(params, self.accumulators, grads))
         return [
             (p, acc, g)
             for p, acc, g in zip(self.params, self.accumulators, grads)
@@ -294,11 +314,11 @@ class CompiledWeightWork:
         """Data pointers of the live-ins' storages (a ``.grad`` sharing one must
         not be written inside the graph that reads it)."""
         if self._storages is None:
-            live = [v for v in self._live_ins or () if isinstance(v, torch.Tensor)]
-            if all(type(v) is torch.Tensor for v in live):
+            live = self._live_ins or []
+            if ti.all_plain(live):  # the common case, read in bulk
                 self._storages = ti.storage_ptrs(live)
-            else:
-                self._storages = {ti.storage_ptr(v) for v in live}
+            else:  # subclass live-ins too (their storage_ptr decides), other values skipped
+                self._storages = {ti.storage_ptr(v) for v in live if isinstance(v, torch.Tensor)}
         return self._storages
 
     @property
@@ -311,10 +331,7 @@ class CompiledWeightWork:
         live-ins), so an input gradient that is no live-in is left out: its
         storage may have been freed since B and be a new output's."""
         if self._held is None:
-            live = self._check()
-            owner = self._owner
-            base = len(owner.split.di_outputs)
-            held = ti.storage_ptrs([live[i - base] for i in owner._passthrough])
+            held = ti.storage_ptrs(self._owner.passthrough_live_ins(self._check()))
             if self._di_storages:
                 held |= self._di_storages & self.live_in_storages()
             self._held = frozenset(held)
@@ -399,6 +416,8 @@ class CompiledSplitBackward:
         self._passthrough = tuple(
             n + k for k, live in enumerate(split.live_ins) if live.source == "input" and live.kind == "tensor"
         )
+        # The same live-ins, read off W's live-ins (dI's outputs after its own) in one call.
+        self.passthrough_live_ins = items_getter([i - n for i in self._passthrough])
         # The output gradients among dI's inputs (copied into a CUDA graph slot, not keying it).
         self._tangents = frozenset(ti.tangent_positions(split.di_graph))
         self.split = split
@@ -421,6 +440,11 @@ class CompiledSplitBackward:
         self._weight_edges: tuple[int | None, ...] = tuple(
             sum(flags[: g.input_index]) if g.input_index < len(flags) and flags[g.input_index] else None
             for g in self.weight_grads
+        )
+        # The same positions read in one C-level call, where every weight
+        # gradient has an edge (the common case; None otherwise).
+        self._weight_edges_getter: Callable[[Sequence[Any]], Any] | None = (
+            items_getter(self._weight_edges) if None not in self._weight_edges else None
         )
         # Builds DTensor gradients from their pieces; read off the region's
         # autograd node by the first split backward (see _input_only).
@@ -767,7 +791,12 @@ class CompiledSplitBackward:
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
         found = call.region_params.get(node)
-        if children is not None and found is not None:
+        getter = self._weight_edges_getter
+        if children is not None and found is not None and getter is not None and not any(
+            map(operator.is_, params := getter(found), itertools.repeat(None))
+        ):  # every weight gradient's weight was given to B (the common case)
+            accumulators = getter(children)
+        elif children is not None and found is not None:
             params = [found[j] if j is not None else None for j in self._weight_edges]
             accumulators = [children[j] if p is not None else None for j, p in zip(self._weight_edges, params)]
         else:

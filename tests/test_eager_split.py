@@ -423,3 +423,37 @@ def test_gradient_edge_as_stage_output(mode: str) -> None:
     fxsplit.stage_backward_weight(params, work)
     torch.testing.assert_close(dinputs[0], ref_din[0])
     assert_grads_equal([p.grad for p in params], ref_dw)
+
+
+def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
+    """B's plan of a stage of compiled regions only: the parameter behind each
+    of a region node's children (``None`` for the stage input, a leaf or not,
+    and for children that are no grad accumulator), and no plan where a weight
+    the region uses was not given (the general plan then decides)."""
+    from torch.autograd.graph import GradientEdge
+
+    from fxsplit.fallback import compiled_only_plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 4))
+    compiled = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    params = list(model.parameters())
+    for leaf in (True, False):
+        x0 = torch.randn(3, 6, requires_grad=True)
+        x = x0 if leaf else x0 * 1.0
+        out = compiled(x)
+        node = out.grad_fn
+        edges = [GradientEdge(node, 0)]
+        inputs, leaves = ([], [x]) if leaf else ([x.grad_fn], [])
+        plan = compiled_only_plan(edges, inputs, params, leaves)
+        assert plan is not None and plan.split_regions == [node]
+        children = [c for c, _ in node.next_functions]
+        expected = [getattr(c, "variable", None) for c in children]
+        expected = [v if any(v is p for p in params) else None for v in expected]
+        assert plan.region_children[node] == children
+        got = plan.region_params[node]
+        assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected)), (leaf, got)
+        assert sum(v is not None for v in got) == len(params)
+        assert compiled_only_plan(edges, inputs, params[1:], leaves) is None
+        _, work = fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], params)
+        fxsplit.stage_backward_weight(params, work)
