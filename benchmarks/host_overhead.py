@@ -10,15 +10,27 @@ graphs' own ratio. Medians of the per-round ratios, with their quartiles.
 
     python -m benchmarks.host_overhead                 # width 128, 2 x 64 tokens, 1 thread
     python -m benchmarks.host_overhead --threads 2 --reps 500
+    python -m benchmarks.host_overhead --lines         # also: lines of Python each backward runs
+
+``--lines`` counts, once after the timed rounds, the lines of Python that an
+ordinary backward, a B and a W execute outside the compiled graphs' own code
+(``sys.settrace``), in all and distinct. Unlike the times, the counts do not
+move with the machine: on a host-bound CPU stage, where each graph call leaves
+the caches cold for the Python after it, the distinct lines follow the host
+time more closely than the total.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import torch
 
@@ -38,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
                    help="the graphs' compiler (eager: FX graphs run as they are; for a quick check)")
+    p.add_argument("--lines", action="store_true",
+                   help="also count the lines of Python run outside the graphs per ordinary backward, B and W")
     args = p.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         p.error("--reps and --threads must be at least 1")
@@ -85,11 +99,59 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"B + W {statistics.median(s - sg for _, _, s, sg in rows) / 1e3:.0f} us)")
     print(f"  time inside the graphs:       {_q(graphs)}")
     print(f"  whole backward:               {_q(total)}")
-    return {
+    result = {
         "outside_graphs_ratio": statistics.median(outside),
         "graphs_ratio": statistics.median(graphs),
         "backward_ratio": statistics.median(total),
     }
+    if args.lines:
+        clear()
+        out = model(x)
+        fused_lines, _ = _lines_run(lambda: out.backward(g))
+        clear()
+        out = model(x)
+        b_lines, (_, work) = _lines_run(lambda: fxsplit.stage_backward_input([out], [g], [x], params))
+        w_lines, _ = _lines_run(lambda: fxsplit.stage_backward_weight(params, work))
+        print("  lines of Python outside the graphs, in all (distinct): "
+              f"fused backward {fused_lines[0]} ({fused_lines[1]}), B {b_lines[0]} ({b_lines[1]}), "
+              f"W {w_lines[0]} ({w_lines[1]})")
+        result.update(fused_lines=fused_lines[0], b_lines=b_lines[0], w_lines=w_lines[0],
+                      fused_distinct_lines=fused_lines[1], b_distinct_lines=b_lines[1], w_distinct_lines=w_lines[1])
+    return result
+
+
+def _graph_code() -> Callable[[str], bool]:
+    """Whether code in a file is a compiled graph's own: a module Inductor
+    wrote into its cache, or an FX graph module's ``forward``."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        inductor = os.path.realpath(cache_dir())
+    except Exception:  # another layout of Inductor's cache: its default folder name
+        inductor = "torchinductor"
+    return lambda filename: filename.startswith("<eval_with_key>") or inductor in filename
+
+
+def _lines_run(fn: Callable[[], Any]) -> tuple[tuple[int, int], Any]:
+    """``((lines executed, distinct lines), fn())``, counting lines outside
+    the compiled graphs' code."""
+    generated = _graph_code()
+    seen: dict[tuple[str, int], int] = {}
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if generated(frame.f_code.co_filename):
+            return None
+        if event == "line":
+            key = (frame.f_code.co_filename, frame.f_lineno)
+            seen[key] = seen.get(key, 0) + 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        value = fn()
+    finally:
+        sys.settrace(None)
+    return (sum(seen.values()), len(seen)), value
 
 
 if __name__ == "__main__":

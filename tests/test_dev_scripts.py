@@ -54,6 +54,18 @@ def test_host_overhead_reports_time_outside_and_inside_the_graphs(capsys: pytest
     assert "host time outside the graphs" in out and "time inside the graphs" in out and "2 rounds" in out
 
 
+def test_host_overhead_counts_the_lines_of_python_around_the_graphs(capsys: pytest.CaptureFixture[str]) -> None:
+    result = host_overhead.main(["--reps", "1", "--compiler", "eager", "--lines"])
+    out = capsys.readouterr().out
+    for kind in ("fused", "b", "w"):
+        total, distinct = result[f"{kind}_lines"], result[f"{kind}_distinct_lines"]
+        assert 0 < distinct <= total, (kind, result)
+    # B runs the region's backward (AOTAutograd's wrapper, as the fused backward does) and its own
+    # plan; the graphs' own code (FX's generated forward here) is not counted.
+    assert result["b_distinct_lines"] > result["fused_distinct_lines"] > 0
+    assert "lines of Python outside the graphs" in out
+
+
 def test_host_overhead_refuses_zero_reps(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         host_overhead.main(["--reps", "0"])
