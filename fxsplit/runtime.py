@@ -28,14 +28,13 @@ is then named by a thread-local for the duration of that call.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import operator
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -152,31 +151,45 @@ class _SplitDone:
 SPLIT_DONE = _SplitDone()
 
 
-@contextlib.contextmanager
-def registered(nodes: Sequence[Any], call: InputCall | _SplitDone) -> Iterator[None]:
+class registered:  # noqa: N801 - used as a function: ``with registered(nodes, call):``
     """Register ``call`` on each autograd node of ``nodes`` for the duration of the block.
 
-    Raises ``RuntimeError``, registering nothing, if another split backward
-    call holds one of them (two calls running through the same autograd
-    graph at once, e.g. B twice on one microbatch from two threads).
+    Entering raises ``RuntimeError``, registering nothing, if another split
+    backward call holds one of them (two calls running through the same
+    autograd graph at once, e.g. B twice on one microbatch from two threads).
+    A class rather than a generator-based context manager: B enters one per
+    call, and on a host-bound stage every line run around the graphs counts.
     """
-    for node in nodes:
-        other = getattr(node, _CALL_ATTR, None)
-        if other is not None:
-            raise RuntimeError(
-                "fxsplit: another split backward is running through this microbatch's autograd graph "
-                f"({node.name()} is registered by it); B and W of one microbatch cannot overlap"
-            )
-    for node in nodes:
-        # B returns no weight gradients: a region with DTensor weights must accept that.
-        ti.let_backward_leave_subclass_gradients_out(node)
-    done: list[Any] = []
-    try:
+
+    __slots__ = ("_nodes", "_call", "_done")
+
+    def __init__(self, nodes: Sequence[Any], call: InputCall | _SplitDone) -> None:
+        self._nodes = nodes
+        self._call = call
+        self._done: list[Any] = []
+
+    def __enter__(self) -> None:
+        nodes = self._nodes
         for node in nodes:
-            setattr(node, _CALL_ATTR, call)
-            done.append(node)
-        yield
-    finally:
+            if getattr(node, _CALL_ATTR, None) is not None:
+                raise RuntimeError(
+                    "fxsplit: another split backward is running through this microbatch's autograd graph "
+                    f"({node.name()} is registered by it); B and W of one microbatch cannot overlap"
+                )
+        for node in nodes:
+            # B returns no weight gradients: a region with DTensor weights must accept that.
+            ti.let_backward_leave_subclass_gradients_out(node)
+        done = self._done
+        try:
+            for node in nodes:
+                setattr(node, _CALL_ATTR, self._call)
+                done.append(node)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        done, self._done = self._done, []
         for node in done:
             setattr(node, _CALL_ATTR, None)
 
@@ -638,14 +651,19 @@ class CompiledSplitBackward:
     ) -> list[Any]:
         # Outside the autograd engine: reproduce the state it runs backward
         # graphs in (no grad mode; the graph is already autocast-lowered).
-        with torch.no_grad(), ti.autocast_disabled():
-            t0 = time.perf_counter_ns()
-            out = None
-            if slot is not None and self._capture is not None:
-                out = self._capture.run_dw(slot, self._run_dw, live_ins)
-            if out is None:
-                out = list(self._run_dw(live_ins))
-            dt = time.perf_counter_ns() - t0
+        grad_mode = torch.is_grad_enabled()
+        ti.set_grad_enabled(False)
+        try:
+            with ti.autocast_disabled():
+                t0 = time.perf_counter_ns()
+                out = None
+                if slot is not None and self._capture is not None:
+                    out = self._capture.run_dw(slot, self._run_dw, live_ins)
+                if out is None:
+                    out = list(self._run_dw(live_ins))
+                dt = time.perf_counter_ns() - t0
+        finally:
+            ti.set_grad_enabled(grad_mode)
         self._count("dW", dt, timings, "w_graph_ns")
         self.stats["dw_runs"] += 1
         return out
@@ -658,14 +676,19 @@ class CompiledSplitBackward:
         slot: Slot | None = None,
         positions: tuple[int, ...] = (),
     ) -> list[Any]:
-        with torch.no_grad(), ti.autocast_disabled():
-            t0 = time.perf_counter_ns()
-            out = None
-            if slot is not None and self._capture is not None:
-                out = self._capture.run_dw_accumulating(slot, positions, graph, args, len(positions))
-            if out is None:
-                out = list(graph(args))
-            dt = time.perf_counter_ns() - t0
+        grad_mode = torch.is_grad_enabled()
+        ti.set_grad_enabled(False)  # as run_dw
+        try:
+            with ti.autocast_disabled():
+                t0 = time.perf_counter_ns()
+                out = None
+                if slot is not None and self._capture is not None:
+                    out = self._capture.run_dw_accumulating(slot, positions, graph, args, len(positions))
+                if out is None:
+                    out = list(graph(args))
+                dt = time.perf_counter_ns() - t0
+        finally:
+            ti.set_grad_enabled(grad_mode)
         self._count("dW", dt, timings, "w_graph_ns")
         self.stats["dw_runs"] += 1
         self.accumulating_runs += 1

@@ -962,3 +962,47 @@ def test_empty_grad_takes_no_view_after_w_as_after_ordinary_backward(compiler: s
         assert (p.grad._base is None) == (q.grad._base is None), name
         assert p.grad.stride() == q.grad.stride(), name
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_dw_graph_runs_without_grad_mode_and_w_restores_the_callers(grad_mode: bool) -> None:
+    """W runs the dW graph as the engine runs a backward graph (grad mode off)
+    and leaves the caller's grad mode as it found it, also when the dW graph
+    raises; the W that follows finishes the work."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 6)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    params = list(model.parameters())
+    x, g = torch.randn(5, 6), torch.randn(5, 6)
+    xa = x.clone().requires_grad_()
+    _, work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
+    (record,) = work.compiled
+    owner = record.owner
+    real = owner._run_dw
+    seen: list[bool] = []
+
+    def failing(args: list[Any]) -> Any:
+        seen.append(torch.is_grad_enabled())
+        raise RuntimeError("injected")
+
+    def recording(args: list[Any]) -> Any:
+        seen.append(torch.is_grad_enabled())
+        return real(args)
+
+    try:
+        with torch.set_grad_enabled(grad_mode):
+            owner._run_dw = failing
+            with pytest.raises(RuntimeError, match="injected"):
+                fxsplit.stage_backward_weight(params, work)
+            assert torch.is_grad_enabled() is grad_mode
+            assert all(p.grad is None for p in params)
+            owner._run_dw = recording
+            fxsplit.stage_backward_weight(params, work)
+            assert torch.is_grad_enabled() is grad_mode
+    finally:
+        owner._replaced.pop("dW", None)
+    assert seen == [False, False]
+    ref(x).backward(g)
+    for p, q in zip(params, ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
