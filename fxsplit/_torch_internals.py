@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -712,8 +713,6 @@ def compiled_autograd_enabled() -> bool:
     ``torch._dynamo.compiled_autograd.compiled_autograd_enabled``, which
     ``_enable`` sets and ``_disable`` clears; the module is only consulted when
     already imported (nothing enables compiled autograd without importing it)."""
-    import sys
-
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(getattr(ca, "compiled_autograd_enabled", False))
 
@@ -728,9 +727,7 @@ def engine_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor], inputs:
     ``torch.autograd.graph._engine_run_backward(outputs, grad_outputs,
     keep_graph, create_graph, inputs, allow_unreachable=, accumulate_grad=)``,
     which ``torch.autograd.backward`` calls the same way."""
-    from torch.autograd.graph import _engine_run_backward
-
-    _engine_run_backward(
+    torch.autograd.graph._engine_run_backward(
         tuple(roots), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
     )
 
@@ -745,9 +742,7 @@ def engine_grad(
     honour). The engine validates each gradient against its edge in C++, as
     always. Relies on ``torch.autograd.graph._engine_run_backward``, which
     ``torch.autograd.grad`` calls the same way (see :func:`engine_backward`)."""
-    from torch.autograd.graph import _engine_run_backward
-
-    return _engine_run_backward(
+    return torch.autograd.graph._engine_run_backward(
         tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs), allow_unreachable=True, accumulate_grad=False
     )
 

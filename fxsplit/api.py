@@ -73,6 +73,8 @@ class MissingOutputGradError(ValueError, AssertionError):
 # return the same tensor object from every replay of a forward.
 _B_DONE = "_fxsplit_b_done"
 _GRAD_OF = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_SEQUENCES = (list, tuple)
 
 
 def _b_ran_on(o: torch.Tensor) -> bool:
@@ -117,6 +119,16 @@ def _flatten_outputs(outputs: Any, grads: Any) -> tuple[list[Output], list[Any]]
         outputs = [outputs]
         if isinstance(grads, torch.Tensor):
             grads = [grads]
+    if (
+        type(outputs) in _SEQUENCES
+        and type(grads) in _SEQUENCES
+        and len(grads) == len(outputs)
+        and ti.all_plain(outputs)
+        and ti.all_plain(grads)
+        and all(map(_REQUIRES_GRAD, outputs))
+        and not any(map(_b_ran_on, outputs))
+    ):  # a flat sequence of tensors that need gradients, with a tensor gradient each (the common case)
+        return list(outputs), list(grads)
     outs: list[Output] = []
     gs: list[Any] = []
     _visit_output(outputs, grads, "stage output", outs, gs)

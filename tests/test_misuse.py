@@ -269,3 +269,29 @@ def test_b_that_fails_inside_autograd_leaves_the_graph_ordinary(mode: str) -> No
     torch.testing.assert_close(s.x1.grad, s.ref_dins[1][0])
     fxsplit.stage_backward_weight(s.params, s.work0)
     assert_grads_equal([p.grad for p in s.params], [r + p for r, p in zip(s.ref_dw, s.pre)])
+
+
+def test_flat_outputs_pair_with_their_gradients_as_nested_ones_do() -> None:
+    """B's reading of a flat list of outputs (its quick path) gives what the
+    general walk gives for the same tensors nested; an output that needs no
+    gradient is dropped, and one B already ran on is refused, naming it."""
+    from fxsplit.api import _flatten_outputs
+
+    w = torch.randn(3, requires_grad=True)
+    a, b = w * 2, w * 3
+    ga, gb = torch.ones(3), torch.full((3,), 2.0)
+    outs, grads = _flatten_outputs([a, b], (ga, gb))
+    nested_outs, nested_grads = _flatten_outputs({"x": [a], "y": (b,)}, {"x": [ga], "y": (gb,)})
+    assert all(o is p for o, p in zip(outs, nested_outs)) and len(outs) == len(nested_outs) == 2
+    assert all(g is h for g, h in zip(grads, nested_grads)) and len(grads) == 2
+    constant = torch.randn(3)
+    outs, grads = _flatten_outputs([a, constant], [ga, torch.ones(3)])
+    assert len(outs) == 1 and outs[0] is a and grads[0] is ga
+    fxsplit.stage_backward_input([b], [gb], [w], [])
+    with pytest.raises(RuntimeError, match=r"already ran on stage output\[1\]"):
+        _flatten_outputs([a, b], [ga, gb])
+    view = (w * 4)[:2]  # B cannot detach a view: it stays attached, marked on its node
+    fxsplit.stage_backward_input([view], [torch.ones(2)], [w], [])
+    assert view.requires_grad
+    with pytest.raises(RuntimeError, match=r"already ran on stage output\[1\]"):
+        _flatten_outputs([a, view], [ga, torch.ones(2)])
