@@ -113,6 +113,39 @@ def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], **
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
+def generated_call(compiled: Any) -> BoxedCallable | None:
+    """The code Inductor generated for a compiled graph, called without the
+    ``CompiledFxGraph`` around it, or ``None`` where ``compiled`` is not an
+    Inductor graph (the eager compiler's, a test's replacement). Relies on
+    ``CompiledFxGraph.current_callable`` (``output_code.py``: what its
+    ``__call__`` calls, a CUDA-graph replay where Inductor added one), and on
+    that ``__call__`` doing nothing else a later call needs: on torch 2.11-2.15
+    the rest is the profiler's record of the call and the execution-order
+    debug record (both checked by :func:`graph_calls_observed` before each
+    call), runtime metrics and the autotune-cache bundle, which the first call
+    (always made through ``__call__``) completes. ``tests/test_layouts.py``
+    checks the profiler sees every call."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    if type(compiled) is not CompiledFxGraph:
+        return None
+    inner = getattr(compiled, "current_callable", None)
+    return inner if callable(inner) else None
+
+
+def graph_calls_observed() -> bool:
+    """Whether something records each compiled graph call: the autograd
+    profiler (``torch.autograd.profiler._is_profiler_enabled``, checked by
+    ``CompiledFxGraph.__call__`` for its ``## Call CompiledFxGraph`` event)
+    or Inductor's execution-order record (``torch._inductor.debug.
+    RECORD_GRAPH_EXECUTION``). Then graphs are called through
+    ``CompiledFxGraph.__call__`` (:func:`generated_call`)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return True
+    debug = sys.modules.get("torch._inductor.debug")
+    return bool(getattr(debug, "RECORD_GRAPH_EXECUTION", False))
+
+
 def inductor_patches(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
     """The Inductor config ``torch.compile(backend="inductor", mode=mode, options=options)``
     compiles under: ``list_mode_options(mode)``, then ``options``, each name

@@ -439,3 +439,50 @@ def test_input_gradients_count_as_held_only_where_they_are_live_ins(compiler: st
         assert work.handed_over == [0]
         ref(xb).backward(g)
         torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.inductor
+def test_graphs_are_called_past_their_wrapper_only_while_no_one_records_each_call() -> None:
+    """From a graph's second call on, the region calls Inductor's generated
+    code directly (``_torch_internals.generated_call``), except while the
+    profiler is on: then every dI, dW and fused call is one ``## Call
+    CompiledFxGraph`` event, as with Inductor's own backward. Gradients as
+    after ordinary backward on an uncompiled copy throughout."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxsplit.backend(fallback="error"))
+    params = list(model.parameters())
+
+    def step(split: bool) -> None:
+        for p, q in zip(params, ref.parameters()):
+            p.grad = q.grad = None
+        x, g = torch.randn(4, 8), torch.randn(4, 8)
+        xa = x.clone().requires_grad_()
+        out = compiled(xa)
+        if split:
+            _, work = fxsplit.stage_backward_input([out], [g], [xa], params)
+            fxsplit.stage_backward_weight(params, work)
+        else:
+            out.backward(g)
+        ref(x).backward(g)
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+
+    before = fxsplit.compiled_regions()
+    for _ in range(3):
+        step(split=True)
+        step(split=False)
+    (region,) = [r for r in fxsplit.compiled_regions() if r not in before]
+    for kind in ("dI", "dW", "fused"):
+        wrapper = region._compiled[kind]
+        assert region._callable(kind) is wrapper.current_callable, kind
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(split=True)
+        step(split=True)
+        step(split=False)
+    calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
+    # the compiled forward's three calls, and the backward graphs': 2 x (dI, dW) and one fused
+    assert len(calls) == 3 + 5, [e.name for e in calls]
