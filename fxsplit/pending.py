@@ -975,8 +975,10 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         general steps: one region whose weights are exactly B's (``_single``),
         nothing committed yet, every weight requiring a gradient and every
         ``.grad`` empty (so nothing accumulates inside the graph, step 0): run
-        the dW graph and decide every commit in one pass (:meth:`_direct_one`).
-        ``None`` where that does not hold, before anything has run."""
+        the dW graph and decide every commit in one pass (:meth:`_direct_one`,
+        which returns ``None`` only for a weight given twice, which
+        ``_single`` excludes). ``None`` where the case does not hold, before
+        anything has run."""
         record = self._single
         if record is None or self._committed:
             return None

@@ -476,9 +476,10 @@ class CompiledSplitBackward:
         # Callables that tools and tests put in place of a graph (see _run_di).
         self._replaced: dict[str, ti.BoxedCallable] = {}
         # Per graph kind: called once through its compiled wrapper, and what to
-        # call from then on (None: the wrapper; see _callable).
+        # call from then on (the generated code, or the graph itself where it
+        # has none; see _callable).
         self._called: set[str] = set()
-        self._inner: dict[str, ti.BoxedCallable | None] = {}
+        self._inner: dict[str, ti.BoxedCallable] = {}
         out_vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
                     for n in split.dw_graph.graph.output_node().args[0]] if split.dw_outputs else []
         # The dtype of each weight's gradient (None where unknown, and for a
