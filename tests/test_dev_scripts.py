@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from benchmarks import graph_times, host_overhead, kernel_profile
+from benchmarks import graph_times, host_overhead, kernel_profile, paired
 
 
 @pytest.mark.inductor
@@ -70,3 +72,41 @@ def test_host_overhead_refuses_zero_reps(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as e:
         host_overhead.main(["--reps", "0"])
     assert e.value.code == 2 and "--reps and --threads must be at least 1" in capsys.readouterr().err
+
+
+def test_paired_measures_a_variant_against_the_code_as_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A variant that makes W's dW call 3 ms slower shows as W's difference,
+    and nothing of it in B's; the code is restored afterwards."""
+    import fxsplit.runtime as rt
+
+    real = rt.CompiledSplitBackward.run_dw
+    variant = tmp_path / "slower_w.py"
+    variant.write_text(
+        "import time\n"
+        "import fxsplit.runtime as rt\n"
+        "real = rt.CompiledSplitBackward.run_dw\n"
+        "def run_dw(self, *args, **kwargs):\n"
+        "    time.sleep(0.003)\n"
+        "    return real(self, *args, **kwargs)\n"
+        "PATCHES = {'fxsplit.runtime:CompiledSplitBackward.run_dw': run_dw}\n"
+    )
+    result = paired.main([str(variant), "--reps", "10", "--compiler", "eager"])
+    assert rt.CompiledSplitBackward.run_dw is real
+    assert result["w_difference_us"] < -2000, result  # as-is minus variant: the variant is slower
+    assert abs(result["b_difference_us"]) < 1000, result
+    assert "W outside the graphs" in capsys.readouterr().out
+
+
+def test_paired_refuses_a_variant_without_patches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(SystemExit) as e:
+        paired.main([str(empty)])
+    assert e.value.code == 2 and "defines no PATCHES" in capsys.readouterr().err
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("PATCHES = {'fxsplit.runtime:NoSuchThing.run': None}\n")
+    with pytest.raises(SystemExit) as e:
+        paired.main([str(wrong)])
+    assert e.value.code == 2 and "NoSuchThing" in capsys.readouterr().err
