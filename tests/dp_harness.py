@@ -63,6 +63,19 @@ def _labelled(label: str) -> Any:
     return torch.profiler.record_function(_LABEL + label)
 
 
+def step_collecting(schedule: Any, last: bool, *args: Any, **kwargs: Any) -> list[tuple[str, str]] | None:
+    """``schedule.step(*args, **kwargs)``; on the ``last`` step under the profiler,
+    returning :func:`collectives_in` of it (``None`` otherwise). Earlier steps run
+    unprofiled: the first one compiles every region, and reading the profiler's
+    events of a compiling step costs seconds per rank."""
+    if not last:
+        schedule.step(*args, **kwargs)
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        schedule.step(*args, **kwargs)
+    return collectives_in(prof)
+
+
 def collectives_in(prof: Any) -> list[tuple[str, str]]:
     """``(op, action)`` for every outermost ``c10d::`` op the profiler saw, in
     order; ``action`` is the innermost label of :func:`_labelled` around it
@@ -223,9 +236,7 @@ def run_dp_case(case: DPCase, rank: int, world: int) -> dict[str, Any]:
         losses: list[torch.Tensor] = []
         args = (x[mine],) if has_first else ()
         kwargs: dict[str, Any] = {"target": y[mine], "losses": losses} if has_last else {}
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            schedule.step(*args, **kwargs)
-        collectives = collectives_in(prof)
+        collectives = step_collecting(schedule, step == ph.N_STEPS - 1, *args, **kwargs) or []
         where = f"{case.name} rank {rank} step {step}"
         if has_last:
             got = [float(v.detach()) for v in losses]

@@ -246,9 +246,7 @@ def run_ep_case(case: EPCase, rank: int, world: int) -> dict[str, Any]:
         x, y = data[ep_rank]
         args = (x,) if has_first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if has_last else {}
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            schedule.step(*args, **kwargs)
-        collectives = dh.collectives_in(prof)
+        collectives = dh.step_collecting(schedule, step == N_STEPS - 1, *args, **kwargs) or []
         where = f"{case.name} rank {rank} (pp {pp_rank}, ep {ep_rank}) step {step}"
         if has_last:
             got = [float(v.detach()) for v in losses]

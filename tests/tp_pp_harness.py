@@ -267,9 +267,7 @@ def run_tp_pp_case(case: TPPPCase, rank: int, world: int) -> dict[str, Any]:
         losses: list[torch.Tensor] = []
         args = (x[mine],) if has_first else ()
         kwargs: dict[str, Any] = {"target": y[mine], "losses": losses} if has_last else {}
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            schedule.step(*args, **kwargs)
-        collectives = dh.collectives_in(prof)
+        collectives = dh.step_collecting(schedule, step == N_STEPS - 1, *args, **kwargs) or []
         where = f"{case.name} rank {rank} step {step}"
         if has_last:
             got = [float(v.detach()) for v in losses]
