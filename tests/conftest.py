@@ -12,6 +12,9 @@
   leak between tests, and with ``torch.manual_seed(0)``.
 * Tests that compile with the real Inductor are marked ``inductor``
   (``pytest -m "not inductor"`` skips the slow C++ compiles while iterating).
+* Where pytest-xdist is installed, the suite runs on two worker processes,
+  a test file per worker at a time (``--dist loadfile``), unless ``-n`` says
+  otherwise: ``-n 0`` runs in this process (one test, ``--pdb``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fuzz-n", type=int, default=None,
         help="seeds tests/test_differential.py runs (default: FXSPLIT_FUZZ_N, else 20)",
     )
+
+
+# The suite's own default: two workers, each test file on one of them (its module-scoped
+# multi-rank worlds run once), wherever pytest-xdist is installed (README's test command
+# installs it) and the command line chose nothing. ``-n 0`` runs in this process (a single
+# test, ``--pdb``); ``-n N`` picks N workers.
+DEFAULT_WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if getattr(config.option, "numprocesses", 0) is None and not config.option.usepdb \
+            and not config.option.collectonly:
+        config.option.numprocesses = DEFAULT_WORKERS
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
 
 
 def pytest_configure(config: pytest.Config) -> None:
