@@ -26,7 +26,7 @@ tier() {  # most important first
   while IFS='|' read -r lim k; do
     [ $((END - SECONDS)) -lt 20 ] && { echo "budget spent: skipped -k '$k'" | tee -a "$OUT/tier.log"; continue; }
     echo "== -k '$k'" | tee -a "$OUT/tier.log"
-    timeout "$(limit "$lim")" python3 -m pytest -p no:cacheprovider -q -rfEs --durations=10 -m cuda \
+    timeout "$(limit "$lim")" python3 -m pytest -p no:cacheprovider -p no:xdist -q -rfEs --durations=10 -m cuda \
       --show-capture=no --tb=short -W ignore::DeprecationWarning -W ignore::UserWarning \
       "$R/tests/test_cuda.py" -k "$k" 2>&1 | grep -v "^DEBUG" | tail -150 | tee -a "$OUT/tier.log"
   done <<PARTS
