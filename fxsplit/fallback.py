@@ -190,6 +190,9 @@ class EagerWeightPlan:
     # Per split region (compiled-only plans): the node of each of its
     # next_functions (None where an edge has none), as the walk read them.
     region_children: dict[Node, list[Node | None]] = dataclasses.field(default_factory=dict)
+    # The given weights are distinct tensors, each requiring grad (as the plan
+    # found them; False: not known). Lets W skip checking distinctness again.
+    weights_distinct: bool = False
 
     @property
     def eager_weights(self) -> list[torch.Tensor]:
@@ -422,7 +425,7 @@ def compiled_only_plan(
         return None
     return EagerWeightPlan(
         [], [], split_regions=list(regions), output_users=[[] for _ in output_edges], region_params=region_params,
-        region_children=region_children,
+        region_children=region_children, weights_distinct=len(given) == len(weights),
     )
 
 

@@ -406,18 +406,23 @@ def _grad_or_none(p: torch.Tensor | None) -> torch.Tensor | None:
 _BULK_ATTRIBUTES = all(hasattr(torch.Tensor, a) for a in ("_post_accumulate_grad_hooks", "grad_dtype"))
 
 
-def _all_taken(record: CompiledWeightWork, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+def _all_taken(
+    record: CompiledWeightWork, weights: list[torch.Tensor], grads: list[torch.Tensor], distinct: bool = False
+) -> bool:
     """Whether :func:`takes_gradient_like_autograd` holds for every pair, all
     weights distinct, decided over the lists at once (C-level iteration, no
     per-weight Python): the guard where graphs meet (:func:`_guarded`), every
     ``.grad`` empty, no hooks, ``grad_dtype`` each gradient's dtype, no
     gradient a view, and each gradient alone at the start of its own storage,
     none of them held elsewhere (``record.held_elsewhere``, read last).
+    ``distinct``: the caller knows the weights are distinct tensors.
     ``False`` says only that the per-weight check must decide (it is
     stricter than that check where a gradient sits at an offset in its
     storage or ``grad_dtype`` is unset)."""
     n = len(weights)
-    if not n or not _BULK_ATTRIBUTES or len(set(map(id, weights))) != n or not _guarded(record.owner, weights, grads):
+    if not n or not _BULK_ATTRIBUTES or not _guarded(record.owner, weights, grads):
+        return False
+    if not distinct and len(set(map(id, weights))) != n:
         return False
     none = itertools.repeat(None, n)
     if not all(map(operator.is_, map(_grad_of, weights), none)):
@@ -605,13 +610,15 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         split_regions: Sequence[Any] = (),
         unreached: int = 0,
         rerun: Sequence[Node] = (),
+        weights_distinct: bool = False,
     ) -> None:
         self._weights = tuple(weights)
         self.compiled = compiled
         self.groups = groups
         # The common case, which W decides without its general steps
         # (_compute_one): one compiled region and no eager code, the region's
-        # weights exactly B's, in B's order, all distinct.
+        # weights exactly B's, in B's order, all distinct (``weights_distinct``:
+        # B's plan found them so; else counted here).
         one = compiled[0] if len(compiled) == 1 and not groups else None
         n = len(self._weights)
         self._single = (
@@ -619,7 +626,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             if one is not None
             and len(one.params) == n
             and all(map(operator.is_, one.params, self._weights))
-            and len(set(map(id, self._weights))) == n
+            and (weights_distinct or len(set(map(id, self._weights))) == n)
             else None
         )
         # Regions B ran dI for: W's eager calls may pass through them and must
@@ -683,7 +690,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     edge_kinds=kinds,
                 )
             )
-        return cls(weights, records, groups, plan.split_regions, plan.unreached, list(plan.rerun))
+        return cls(weights, records, groups, plan.split_regions, plan.unreached, list(plan.rerun),
+                   weights_distinct=plan.weights_distinct)
 
     def anchor(self, anchors: Iterable[Any]) -> None:
         """Keep these objects (``_torch_internals.graph_anchor``: what keeps the
@@ -1080,7 +1088,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         if allowed:
             weights = list(map(_first, triples))
             grads = list(map(_third, triples))
-            if _all_taken(record, weights, grads):
+            # The single record's weights are B's, found distinct at B (_single):
+            # so is any selection of them.
+            if _all_taken(record, weights, grads, distinct=record is self._single):
                 return [], list(zip(weights, grads))  # the common case, decided without a per-weight loop
         plain = torch.Tensor
         storage_ptr = ti.storage_ptr

@@ -348,8 +348,8 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
     bulk: list[bool] = []
     real = pending._all_taken
 
-    def counting(*args: Any) -> bool:
-        result = real(*args)
+    def counting(*args: Any, **kwargs: Any) -> bool:
+        result = real(*args, **kwargs)
         bulk.append(result)
         return result
 

@@ -295,3 +295,33 @@ def test_flat_outputs_pair_with_their_gradients_as_nested_ones_do() -> None:
     assert view.requires_grad
     with pytest.raises(RuntimeError, match=r"already ran on stage output\[1\]"):
         _flatten_outputs([a, view], [ga, torch.ones(2)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_listed_twice_is_accumulated_once(mode: str) -> None:
+    """Weights that list one parameter twice: B then W give ordinary backward's
+    gradients, each accumulated (and its post-accumulate hook fired) once, as
+    upstream's split does for a parameter reached once; the same with every
+    weight listed once, where W takes its common path."""
+    torch.manual_seed(0)
+    model = Stage()
+    ref_model = Stage()
+    ref_model.load_state_dict(model.state_dict())
+    x = torch.randn(5, 4, requires_grad=True)
+    ref_dins, ref_dw = reference(ref_model, [x])
+    params = list(model.parameters())
+    fired: list[int] = []
+    for k, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, k=k: fired.append(k))
+    fn = prepare(model, mode)
+    for weights in (params + [params[0]], params):
+        for p in params:
+            p.grad = None
+        fired.clear()
+        x0 = clone_input(x)
+        out = fn(x0)
+        dins, work = fxsplit.stage_backward_input([out], [grads_like(out, 0)], [x0], weights)
+        torch.testing.assert_close(dins[0], ref_dins[0][0])
+        fxsplit.stage_backward_weight(weights, work)
+        assert_grads_equal([p.grad for p in params], ref_dw)
+        assert sorted(fired) == list(range(len(params))), fired
