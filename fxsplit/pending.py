@@ -617,18 +617,25 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self.groups = groups
         # The common case, which W decides without its general steps
         # (_compute_one): one compiled region and no eager code, the region's
-        # weights exactly B's, in B's order, all distinct (``weights_distinct``:
-        # B's plan found them so; else counted here).
+        # weights exactly B's, all distinct (``weights_distinct``: B's plan
+        # found them so; else counted here), in B's order or another: the
+        # region's order is the forward's order of use (Dynamo's), which a
+        # model's parameters() need not follow (Hugging Face decoder layers
+        # register their norms after the blocks that use them). ``_order``:
+        # the position in ``weights`` of each of the region's weights, where
+        # the orders differ (``None`` where they agree).
         one = compiled[0] if len(compiled) == 1 and not groups else None
         n = len(self._weights)
-        self._single = (
-            one
-            if one is not None
-            and len(one.params) == n
-            and all(map(operator.is_, one.params, self._weights))
-            and (weights_distinct or len(set(map(id, self._weights))) == n)
-            else None
-        )
+        self._single: CompiledWeightWork | None = None
+        self._order: tuple[int, ...] | None = None
+        if one is not None and len(one.params) == n and (weights_distinct or len(set(map(id, self._weights))) == n):
+            if all(map(operator.is_, one.params, self._weights)):
+                self._single = one
+            else:
+                position = dict(zip(map(id, self._weights), itertools.count()))
+                order = tuple(map(position.get, map(id, one.params)))
+                if None not in order and len(set(order)) == n:  # a permutation of B's weights
+                    self._single, self._order = one, order  # type: ignore[assignment]
         # Regions B ran dI for: W's eager calls may pass through them and must
         # not run them again. Weak: W only needs the ones its graph still holds.
         self._split_regions = [weakref.ref(n) for n in split_regions] if groups else []
@@ -964,11 +971,13 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             collections.deque(map(setattr, weights, itertools.repeat("grad"), grads), maxlen=0)
         finally:
             mine = self._weights
-            if len(weights) == len(mine) and all(map(operator.is_, weights, mine)) and all(
+            # The order W computed them in: the single region's (see _order), else B's.
+            order = self._order if self._order is not None else range(len(mine))
+            if len(weights) == len(mine) and all(map(operator.is_, weights, map(mine.__getitem__, order))) and all(
                 map(operator.is_, map(_grad_of, weights), grads)
-            ):  # all of them, in B's order (the common case)
+            ):  # all of them, in that order (the common case)
                 self._committed.update(map(id, weights))
-                self.handed_over.extend(range(len(mine)))
+                self.handed_over.extend(order)
             else:
                 position = {id(w): k for k, w in enumerate(mine)}
                 for weight, grad in zip(weights, grads):
@@ -980,7 +989,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self, fused_accumulation: bool | None
     ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """What :meth:`_compute` returns, in the common case, without its
-        general steps: one region whose weights are exactly B's (``_single``),
+        general steps: one region whose weights are exactly B's, in any order (``_single``),
         nothing committed yet, every weight requiring a gradient and every
         ``.grad`` empty (so nothing accumulates inside the graph, step 0): run
         the dW graph and decide every commit in one pass (:meth:`_direct_one`,

@@ -1006,3 +1006,73 @@ def test_dw_graph_runs_without_grad_mode_and_w_restores_the_callers(grad_mode: b
     ref(x).backward(g)
     for p, q in zip(params, ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class _NormLast(nn.Module):
+    """Registers its norm after the layers that follow it in the forward, as
+    Hugging Face decoder layers do: the compiled region's weights (in the
+    forward's order of use) are not in ``parameters()``'s order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.out = nn.Linear(8, 5)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(self.norm(x))))
+
+
+@pytest.mark.inductor
+def test_w_takes_gradients_as_they_are_in_any_order_of_the_weights() -> None:
+    """Whatever the order of the weights given to B (the region's own, that of
+    ``parameters()``, which differs, or reversed), W's common path (one
+    region, every ``.grad`` empty) applies and gives the same result: ordinary
+    backward's gradients, the same weights taken as they are (without hooks);
+    with post-accumulate hooks, each fired once; a third step accumulates into
+    ``.grad`` as ordinary backward does."""
+    torch.manual_seed(0)
+    model = _NormLast()
+    compiled = torch.compile(model, backend=fxsplit.backend(fallback="error"))  # Inductor: unviewed gradients
+    params = list(model.parameters())
+    x0 = torch.randn(4, 6, requires_grad=True)
+    _, work = fxsplit.stage_backward_input([compiled(x0)], [torch.randn(4, 5)], [x0], params)
+    (record,) = work.compiled
+    region_order = list(record.params)
+    assert not all(a is b for a, b in zip(region_order, params)), "the orders should differ here"
+    fxsplit.stage_backward_weight(params, work)
+    fired: list[int] = []
+    taken_by_order: dict[str, set[int]] = {}
+    for order, weights in (("region", region_order), ("parameters", params), ("reversed", params[::-1])):
+        ref = copy.deepcopy(model)
+        handles: list[Any] = []
+        for p in params:
+            p.grad = None
+        for step in range(3):
+            if step == 1:  # from the second step: hooks (ordinary backward's twin has none to fire)
+                handles = [p.register_post_accumulate_grad_hook(lambda _p, k=k: fired.append(k))
+                           for k, p in enumerate(params)]
+                for p in params:
+                    p.grad = None
+                for q in ref.parameters():
+                    q.grad = None
+            x, g = torch.randn(4, 6), torch.randn(4, 5)
+            xa = x.clone().requires_grad_()
+            dins, work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], weights)
+            if step < 2:
+                assert work._single is work.compiled[0], order  # W's common path (a guard on W's host time)
+            fired.clear()
+            fxsplit.stage_backward_weight(weights, work)
+            if step == 0:
+                taken_by_order[order] = {id(weights[k]) for k in work.handed_over}
+            else:
+                assert sorted(fired) == list(range(len(params))), (order, step, fired)
+            xr = x.clone().requires_grad_()
+            ref(xr).backward(g)
+            torch.testing.assert_close(dins[0], xr.grad)
+            for p, q in zip(params, ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{order}, step {step}: {m}")
+        for h in handles:
+            h.remove()
+    assert taken_by_order["region"], "W took no gradient as it is"
+    assert taken_by_order["parameters"] == taken_by_order["region"] == taken_by_order["reversed"]
