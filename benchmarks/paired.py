@@ -18,6 +18,7 @@ runs, for instance::
     PATCHES = {"fxsplit.runtime:CompiledSplitBackward.run_dw": run_dw}
 
     python -m benchmarks.paired variant.py --threads 2 --reps 1000
+    python -m benchmarks.paired variant.py --accumulate   # W adding into .grad, as after a step's first microbatch
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=1000, help="pairs of B + W calls measured (after 50 warm-up pairs)")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
+    p.add_argument("--accumulate", action="store_true",
+                   help="keep the weights' .grad between calls, as a step's later microbatches do: W adds into "
+                        "it (inside the dW graph where fxsplit may); default: .grad emptied before each B")
     args = p.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         p.error("--reps and --threads must be at least 1")
@@ -88,8 +92,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             setattr(owner, name, new if variant else old)
 
     def step() -> tuple[int, int, int]:
-        for w in params:
-            w.grad = None
+        if not args.accumulate:
+            for w in params:
+                w.grad = None
         x.grad = None
         out = model(x)
         t0 = time.perf_counter_ns()
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         use(False)
     names = ("B outside the graphs", "W outside the graphs", "whole B + W")
     print(f"{args.config}, {args.compiler}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} pairs, "
+          f"{'.grad kept (W accumulates)' if args.accumulate else '.grad emptied'}, "
           f"variant {args.variant}; us, medians (quartiles); difference = as-is minus variant:")
     result: dict[str, float] = {}
     for i, name in enumerate(names):

@@ -395,6 +395,7 @@ _dtype_of = operator.attrgetter("dtype")
 _tensor_hooks_of = operator.attrgetter("_backward_hooks")
 _post_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
 _grad_dtype_of = operator.attrgetter("grad_dtype")
+_deref = weakref.ref.__call__  # a weak reference's referent (None once it died), as a C-level function
 
 
 def _grad_or_none(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -480,6 +481,22 @@ def _accumulating_like_autograd(record: CompiledWeightWork, wanted: set[int], mu
         if all(map(operator.is_, grads, none)):
             return ()  # nothing to add into (the first microbatch of a step)
         check = _decide(owner, params)
+    if not check.positions:
+        return ()
+    chosen = list(map(params.__getitem__, check.positions))
+    ids = list(map(id, chosen))
+    if (
+        _BULK_ATTRIBUTES
+        and wanted.issuperset(ids)
+        and multi.isdisjoint(ids)
+        and not any(map(_tensor_hooks_of, chosen))
+        and not any(map(_post_hooks_of, chosen))
+        and all(map(operator.is_, map(_grad_dtype_of, chosen), map(check.dtypes.__getitem__, check.positions)))
+    ):  # every weight the check allows: wanted, single-sourced, unhooked, grad_dtype its .grad's dtype
+        live = record.live_in_storages()
+        if live.isdisjoint(check.storages.values()):
+            return check.positions
+        return tuple(k for k in check.positions if check.storages[k] not in live)
     positions = []
     for k in check.positions:
         p = params[k]
@@ -501,6 +518,18 @@ def _same(check: _AccumulationCheck, params: Sequence[Any]) -> bool:
     """Whether ``params`` and their ``.grad`` tensors are those ``check`` decided on."""
     if len(check.params) != len(params):
         return False
+    none = itertools.repeat(None)
+    if not any(map(operator.is_, check.params, none)) and not any(map(operator.is_, params, none)):
+        # Every position a weight (the common case), decided in C-level passes: the
+        # weights alive and the same, each .grad present (a dead reference reads None)
+        # and the same.
+        grads = list(map(_grad_of, params))
+        return (
+            not any(map(operator.is_, grads, none))
+            and not any(map(operator.is_, check.grads, none))
+            and all(map(operator.is_, map(_deref, check.params), params))
+            and all(map(operator.is_, map(_deref, check.grads), grads))
+        )
     for r, g, p in zip(check.params, check.grads, params):
         if p is None:
             if r is not None:
@@ -1022,7 +1051,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         for i, positions in self._fusable(wanted, fused_accumulation).items():
             record = self.compiled[i]
             graph = record.owner.accumulating_graph(
-                record.owner.dw_positions(positions), [record.params[k].grad for k in positions]
+                record.owner.dw_positions(positions), list(map(_grad_of, map(record.params.__getitem__, positions)))
             )
             if graph is not None:
                 accumulating[i] = (graph, positions)
@@ -1047,9 +1076,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # it ran tell which of its weights were written.
         for i, (graph, positions) in accumulating.items():
             record = self.compiled[i]
-            fused = [record.params[k] for k in positions]
-            fused_ids = {id(p) for p in fused}
-            grads = [p.grad for p in fused]
+            fused = list(map(record.params.__getitem__, positions))
+            fused_ids = set(map(id, fused))
+            grads = list(map(_grad_of, fused))
             with ti.recording_accumulation() as ledger:
                 try:
                     rest = record.accumulate(graph, positions, wanted - fused_ids, self.timings)
@@ -1057,7 +1086,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     self._settle_interrupted(fused, grads, ledger)
                     raise
             self._committed.update(fused_ids)
-            self.accumulated_in_graph.extend(k for k, w in enumerate(self._weights) if id(w) in fused_ids)
+            self.accumulated_in_graph.extend(
+                itertools.compress(range(len(self._weights)), map(fused_ids.__contains__, map(id, self._weights)))
+            )
             for p, acc, g in rest:
                 compiled.setdefault(id(p), []).append(g)
                 by_id[id(p)] = (p, acc)

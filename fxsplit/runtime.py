@@ -45,6 +45,9 @@ from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend, copy_exactl
 from fxsplit.layouts import BoundaryGuard
 from fxsplit.passes import SplitResult
 
+_GRAD = operator.attrgetter("grad")
+_deref = weakref.ref.__call__  # a weak reference's referent (None once it died), as a C-level function
+
 log = logging.getLogger("fxsplit")
 
 __all__ = [
@@ -287,6 +290,8 @@ class CompiledWeightWork:
             and (wanted is None or wanted.issuperset(map(id, params)))
         ):  # every weight given to B and wanted, every gradient computed (the common case)
             return list(zip(params, self.accumulators, grads))
+        if all(map(operator.is_, grads, none)):  # every gradient accumulated inside the dW graph
+            return []
         return [
             (p, acc, g)
             for p, acc, g in zip(self.params, self.accumulators, grads)
@@ -316,7 +321,7 @@ class CompiledWeightWork:
         ``.grad`` (:meth:`CompiledSplitBackward.accumulating_graph`), and return
         the other gradients as :meth:`compute` does. Not pure: once called, the
         weights at ``positions`` count as accumulated."""
-        grads = [self.params[k].grad for k in positions]  # type: ignore[union-attr]
+        grads = list(map(_GRAD, map(self.params.__getitem__, positions)))
         outs = self._owner.run_dw_accumulating(graph, list(self._check()) + grads, timings, self.slot, positions)
         # In-place writes of compiled kernels do not bump the version counter
         # that autograd's own in-place accumulation bumps.
@@ -473,6 +478,8 @@ class CompiledSplitBackward:
         # The accumulating dW graph last chosen, with the .grad tensors (weakly)
         # it was chosen for: W on the same .grad tensors skips the layout key.
         self._last_accumulating: tuple[tuple[int, ...], tuple[Any, ...], Any] | None = None
+        # dw_positions' answers, by the weight positions asked for
+        self._dw_positions: dict[tuple[int, ...], tuple[int, ...]] = {}
         # Callables that tools and tests put in place of a graph (see _run_di).
         self._replaced: dict[str, ti.BoxedCallable] = {}
         # Per graph kind: called once through its compiled wrapper, and what to
@@ -588,7 +595,7 @@ class CompiledSplitBackward:
             last is not None
             and last[0] == positions
             and len(last[1]) == len(grads)
-            and all(r() is g for r, g in zip(last[1], grads))
+            and all(map(operator.is_, map(_deref, last[1]), grads))
         ):
             return last[2]  # the same .grad tensors as last time: the same layouts
         key = ("dW+accumulate", positions, tuple((tuple(g.stride()), g.dtype, g.device) for g in grads))
@@ -608,12 +615,18 @@ class CompiledSplitBackward:
     def dw_positions(self, weights: Sequence[int]) -> tuple[int, ...]:
         """The dW output positions of the gradients of plain weights ``weights``
         (indices into :attr:`weight_grads`), for :meth:`accumulating_graph`."""
+        key = tuple(weights)
+        known = self._dw_positions.get(key)
+        if known is not None:
+            return known
         result = []
         for k in weights:
             grad = self.weight_grads[k]
             if grad.subclass or len(grad.positions) != 1:
                 raise ValueError(f"fxsplit: {self.name}: weight {k}'s gradient is a tensor subclass")
             result.append(grad.positions[0])
+        if len(self._dw_positions) < 16:  # a few selections recur (every weight, or all but some)
+            self._dw_positions[key] = tuple(result)
         return tuple(result)
 
     def weight_gradient_values(self, dw_vals: Sequence[Any]) -> list[Any]:

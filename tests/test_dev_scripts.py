@@ -99,6 +99,27 @@ def test_paired_measures_a_variant_against_the_code_as_it_is(
     assert "W outside the graphs" in capsys.readouterr().out
 
 
+def test_paired_accumulate_measures_w_adding_into_grad(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``--accumulate`` W adds into the kept ``.grad`` (the dW graph that
+    accumulates runs, and a variant slowing it shows as W's difference);
+    without it, that graph never runs."""
+    variant = tmp_path / "slower_accumulating_w.py"
+    variant.write_text(
+        "import time\n"
+        "import fxsplit.runtime as rt\n"
+        "real = rt.CompiledSplitBackward.run_dw_accumulating\n"
+        "def run_dw_accumulating(self, *args, **kwargs):\n"
+        "    time.sleep(0.003)\n"
+        "    return real(self, *args, **kwargs)\n"
+        "PATCHES = {'fxsplit.runtime:CompiledSplitBackward.run_dw_accumulating': run_dw_accumulating}\n"
+    )
+    result = paired.main([str(variant), "--reps", "8", "--compiler", "eager", "--accumulate"])
+    assert result["w_difference_us"] < -2000, result
+    assert ".grad kept (W accumulates)" in capsys.readouterr().out
+    result = paired.main([str(variant), "--reps", "8", "--compiler", "eager"])
+    assert abs(result["w_difference_us"]) < 1500, result
+
+
 def test_paired_refuses_a_variant_without_patches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
