@@ -625,9 +625,10 @@ class CompiledSplitBackward:
             if grad.subclass or len(grad.positions) != 1:
                 raise ValueError(f"fxsplit: {self.name}: weight {k}'s gradient is a tensor subclass")
             result.append(grad.positions[0])
+        found = tuple(result)
         if len(self._dw_positions) < 16:  # a few selections recur (every weight, or all but some)
-            self._dw_positions[key] = tuple(result)
-        return tuple(result)
+            self._dw_positions[key] = found
+        return found
 
     def weight_gradient_values(self, dw_vals: Sequence[Any]) -> list[Any]:
         """One gradient per :attr:`weight_grads` from the dW graph's outputs
