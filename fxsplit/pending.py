@@ -439,7 +439,7 @@ def _all_taken(
     if any(map(torch.Tensor.storage_offset, grads)):
         return False
     ptrs = set(map(torch.Tensor.data_ptr, grads))
-    return len(ptrs) == n and ptrs.isdisjoint(record.held_elsewhere)
+    return len(ptrs) == n and record.holds_none_of(ptrs)
 
 
 class _AccumulationCheck:

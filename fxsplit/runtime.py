@@ -355,6 +355,17 @@ class CompiledWeightWork:
             self._held = frozenset(held)
         return self._held
 
+    def holds_none_of(self, ptrs: set[int]) -> bool:
+        """Whether none of the storages ``ptrs`` (data pointers) is in
+        :attr:`held_elsewhere`, reading the live-ins only as far as that needs:
+        the input gradients' storages are few, and only one of them among
+        ``ptrs`` calls for the storages of every live-in."""
+        if self._held is not None:
+            return ptrs.isdisjoint(self._held)
+        if not ptrs.isdisjoint(ti.storage_ptrs(self._owner.passthrough_live_ins(self._check()))):
+            return False
+        return ptrs.isdisjoint(self._di_storages) or ptrs.isdisjoint(self.held_elsewhere)
+
     def release(self) -> None:
         self._live_ins = None
         self._storages = None
