@@ -54,7 +54,6 @@ import dataclasses
 import functools
 import itertools
 import operator
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -76,17 +75,19 @@ def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
 
 
 # Whether a region's autograd Function class runs an fxsplit split backward: asked
-# for every node of every B, so answered once per class.
-_SPLIT_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+# for every node of every B, so answered once per class and kept on the class
+# itself (AOTAutograd makes one class per compiled region), under this name.
+_SPLIT_ATTR = "_fxsplit_split_region"
 
 
 def is_split_region(node: Node) -> bool:
     cls = getattr(node, "_forward_cls", None)
     if cls is None:
         return False
-    known = _SPLIT_CLASSES.get(cls)
+    known = cls.__dict__.get(_SPLIT_ATTR)
     if known is None:
-        known = _SPLIT_CLASSES[cls] = isinstance(ti.compiled_backward_of(node), CompiledSplitBackward)
+        known = isinstance(ti.compiled_backward_of(node), CompiledSplitBackward)
+        setattr(cls, _SPLIT_ATTR, known)
     return known
 
 
@@ -194,6 +195,28 @@ class EagerWeightPlan:
     # found them; False: not known). Lets W skip checking distinctness again.
     weights_distinct: bool = False
 
+    @classmethod
+    def compiled_only(
+        cls,
+        split_regions: list[Node],
+        outputs: int,
+        region_params: dict[Node, list[torch.Tensor | None]],
+        region_children: dict[Node, list[Node | None]],
+        weights_distinct: bool,
+    ) -> EagerWeightPlan:
+        """The plan of a stage of split regions only (:func:`compiled_only_plan`):
+        nothing for eager autograd in W. Built without the dataclass's
+        constructor, on every B: its empty fields are shared, read-only
+        (nothing changes a plan once built)."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(_COMPILED_ONLY_FIELDS)
+        plan.split_regions = split_regions
+        plan.output_users = [[] for _ in range(outputs)]
+        plan.region_params = region_params
+        plan.region_children = region_children
+        plan.weights_distinct = weights_distinct
+        return plan
+
     @property
     def eager_weights(self) -> list[torch.Tensor]:
         return [w for g in self.groups for w in g.weights]
@@ -201,6 +224,13 @@ class EagerWeightPlan:
     @property
     def empty(self) -> bool:
         return not self.groups
+
+
+# The fields of a compiled-only plan that are the same on every B (empty).
+_COMPILED_ONLY_FIELDS: dict[str, Any] = {
+    "intermediates": [], "w_roots": [], "groups": [], "unreached": 0, "region_starts": [], "w_side": frozenset(),
+    "rerun": frozenset(), "release": [], "above": [], "bottom_regions": [], "captures": [],
+}
 
 
 def _group_weights(
@@ -362,8 +392,10 @@ def compiled_only_plan(
     if not input_nodes and not input_leaves:
         return None
     inputs = set(input_nodes)
-    leaves = {id(t) for t in input_leaves}
-    given = set(map(id, itertools.compress(weights, map(_requires_grad, weights))))
+    leaves = set(map(id, input_leaves))
+    # Every weight's id: the given weights that require grad where the walk
+    # finds them all (the common case, decided without reading requires_grad).
+    given = set(map(id, weights))
     accumulate_grad = ti.accumulate_grad_type()
     parameter = torch.nn.Parameter
     # region -> the nodes below it that are regions or inputs (for the check below)
@@ -410,23 +442,29 @@ def compiled_only_plan(
         region_params[node] = params
         region_children[node] = children
         queue.extend(c for c in below if c not in inputs and c not in regions)
+    distinct = len(given) == len(weights)
+    if found != given:
+        given = set(map(id, itertools.compress(weights, map(_requires_grad, weights))))
+        distinct = False
     if not regions or found != given:
         return None  # a given weight the outputs do not use: the general plan checks the weights
     # Every region must lead to a stage input (else its whole backward is W work).
-    reaches: set[Node] = set()
-    grew = True
-    while grew:  # a fixpoint: regions are few
-        grew = False
-        for node, below in regions.items():
-            if node not in reaches and any(c in inputs or c in reaches for c in below):
-                reaches.add(node)
-                grew = True
-    if len(reaches) != len(regions):
-        return None
-    return EagerWeightPlan(
-        [], [], split_regions=list(regions), output_users=[[] for _ in output_edges], region_params=region_params,
-        region_children=region_children, weights_distinct=len(given) == len(weights),
-    )
+    if len(regions) == 1:
+        (below,) = regions.values()
+        if inputs.isdisjoint(below):
+            return None
+    else:
+        reaches: set[Node] = set()
+        grew = True
+        while grew:  # a fixpoint: regions are few
+            grew = False
+            for node, below in regions.items():
+                if node not in reaches and any(c in inputs or c in reaches for c in below):
+                    reaches.add(node)
+                    grew = True
+        if len(reaches) != len(regions):
+            return None
+    return EagerWeightPlan.compiled_only(list(regions), len(output_edges), region_params, region_children, distinct)
 
 
 _first = operator.itemgetter(0)

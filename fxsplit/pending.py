@@ -408,7 +408,11 @@ _BULK_ATTRIBUTES = all(hasattr(torch.Tensor, a) for a in ("_post_accumulate_grad
 
 
 def _all_taken(
-    record: CompiledWeightWork, weights: list[torch.Tensor], grads: list[torch.Tensor], distinct: bool = False
+    record: CompiledWeightWork,
+    weights: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    distinct: bool = False,
+    empty: bool = False,
 ) -> bool:
     """Whether :func:`takes_gradient_like_autograd` holds for every pair, all
     weights distinct, decided over the lists at once (C-level iteration, no
@@ -416,7 +420,8 @@ def _all_taken(
     ``.grad`` empty, no hooks, ``grad_dtype`` each gradient's dtype, no
     gradient a view, and each gradient alone at the start of its own storage,
     none of them held elsewhere (``record.held_elsewhere``, read last).
-    ``distinct``: the caller knows the weights are distinct tensors.
+    ``distinct``: the caller knows the weights are distinct tensors;
+    ``empty``: it knows every weight's ``.grad`` is ``None``.
     ``False`` says only that the per-weight check must decide (it is
     stricter than that check where a gradient sits at an offset in its
     storage or ``grad_dtype`` is unset)."""
@@ -425,8 +430,7 @@ def _all_taken(
         return False
     if not distinct and len(set(map(id, weights))) != n:
         return False
-    none = itertools.repeat(None, n)
-    if not all(map(operator.is_, map(_grad_of, weights), none)):
+    if not empty and not all(map(operator.is_, map(_grad_of, weights), itertools.repeat(None, n))):
         return False
     if any(map(_tensor_hooks_of, weights)) or any(map(_post_hooks_of, weights)):
         return False
@@ -1033,7 +1037,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
         ):
             return None
-        return self._direct_one(record, record.compute(None, self.timings), fused_accumulation)
+        return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
 
     def _compute(
         self, fused_accumulation: bool | None
@@ -1116,21 +1120,26 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         return commits, direct
 
     def _direct_one(
-        self, record: CompiledWeightWork, triples: list[tuple[torch.Tensor, Any, torch.Tensor]], switch: bool | None
+        self,
+        record: CompiledWeightWork,
+        triples: list[tuple[torch.Tensor, Any, torch.Tensor]],
+        switch: bool | None,
+        empty: bool = False,
     ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """What :meth:`_direct` and step 3 of :meth:`_compute` decide, for the
         gradients of one record when it is the only one and there is no eager
         group, in one pass over its weights: the commit through autograd's
         engine of what an empty ``.grad`` does not take as it is, and the
         ``(weight, gradient)`` pairs it does. ``None`` where a weight has two
-        gradients (the general path sums them)."""
+        gradients (the general path sums them). ``empty``: the caller found
+        every ``.grad`` of B's weights ``None`` (no user code ran since)."""
         allowed = self._fusion_allowed(record, switch)
         if allowed:
             weights = list(map(_first, triples))
             grads = list(map(_third, triples))
             # The single record's weights are B's, found distinct at B (_single):
             # so is any selection of them.
-            if _all_taken(record, weights, grads, distinct=record is self._single):
+            if _all_taken(record, weights, grads, distinct=record is self._single, empty=empty):
                 return [], list(zip(weights, grads))  # the common case, decided without a per-weight loop
         plain = torch.Tensor
         storage_ptr = ti.storage_ptr

@@ -455,5 +455,15 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected)), (leaf, got)
         assert sum(v is not None for v in got) == len(params)
         assert compiled_only_plan(edges, inputs, params[1:], leaves) is None
+        assert plan.weights_distinct and not plan.groups and not plan.intermediates and not plan.captures
+        # A given weight that needs no gradient is left out, and the weights are not known distinct.
+        frozen = nn.Parameter(torch.randn(2), requires_grad=False)
+        with_frozen = compiled_only_plan(edges, inputs, [*params, frozen], leaves)
+        assert with_frozen is not None and not with_frozen.weights_distinct
+        assert all(a is b for a, b in zip(with_frozen.region_params[node], got))
+        # A region that leads to no stage input: its whole backward is W work (the general plan).
+        other = torch.randn(3, 6, requires_grad=True)
+        alone = compiled(torch.randn(3, 6)).grad_fn  # its children: the weights' accumulators only
+        assert compiled_only_plan([GradientEdge(alone, 0)], [], params, [other]) is None
         _, work = fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], params)
         fxsplit.stage_backward_weight(params, work)
