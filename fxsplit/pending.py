@@ -707,6 +707,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         out_grads: Sequence[torch.Tensor],
     ) -> PendingWeightGrads:
         """Assemble B's results. Hand-over values that no given weight needs are dropped here."""
+        if not plan.groups:  # no eager W work (a stage of compiled regions only): nothing handed over is needed
+            return cls(weights, records, [], plan.split_regions, plan.unreached, plan.rerun,
+                       weights_distinct=plan.weights_distinct)
         region_index = {n: k for k, n in enumerate(plan.region_starts)}
         handed: dict[int, list[tuple[GradientEdge, torch.Tensor]]] = {}
         for d in deferred:
@@ -962,7 +965,10 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         allowed = record.owner.fused_accumulation
         if allowed is False:
             return False
-        return allowed is True or switch is True or config.current("fused_accumulation")
+        # config.current validates the option; the default itself needs no check.
+        if allowed is True or switch is True or config.fused_accumulation is True:
+            return True
+        return config.current("fused_accumulation")
 
     def _multi_source(self) -> set[int]:
         """The weights (by id) whose gradient comes from more than one record or eager group."""
