@@ -463,7 +463,7 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         assert all(a is b for a, b in zip(with_frozen.region_params[node], got))
         # A region that leads to no stage input: its whole backward is W work (the general plan).
         other = torch.randn(3, 6, requires_grad=True)
-        alone = compiled(torch.randn(3, 6)).grad_fn  # its children: the weights' accumulators only
-        assert compiled_only_plan([GradientEdge(alone, 0)], [], params, [other]) is None
+        out_alone = compiled(torch.randn(3, 6))  # kept: its node's children are the weights' accumulators only
+        assert compiled_only_plan([GradientEdge(out_alone.grad_fn, 0)], [], params, [other]) is None
         _, work = fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], params)
         fxsplit.stage_backward_weight(params, work)
