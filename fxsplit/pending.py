@@ -419,7 +419,7 @@ def _all_taken(
     per-weight Python): the guard where graphs meet (:func:`_guarded`), every
     ``.grad`` empty, no hooks, ``grad_dtype`` each gradient's dtype, no
     gradient a view, and each gradient alone at the start of its own storage,
-    none of them held elsewhere (``record.held_elsewhere``, read last).
+    none of them held elsewhere (``record.holds_none_of``, asked last).
     ``distinct``: the caller knows the weights are distinct tensors;
     ``empty``: it knows every weight's ``.grad`` is ``None``.
     ``False`` says only that the per-weight check must decide (it is
