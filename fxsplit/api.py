@@ -72,7 +72,7 @@ class MissingOutputGradError(ValueError, AssertionError):
 # new forward's output: Inductor's cudagraph trees (mode="reduce-overhead")
 # return the same tensor object from every replay of a forward.
 _B_DONE = "_fxsplit_b_done"
-_GRAD_OF = operator.attrgetter("grad")
+_GRAD_OF = ti.grad_of
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _SEQUENCES = (list, tuple)
 

@@ -389,13 +389,13 @@ _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 _third = operator.itemgetter(2)
 _requires_grad = operator.attrgetter("requires_grad")
-_grad_of = operator.attrgetter("grad")
+_grad_of = ti.grad_of
 _base_of = operator.attrgetter("_base")
 _dtype_of = operator.attrgetter("dtype")
 _tensor_hooks_of = operator.attrgetter("_backward_hooks")
 _post_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
 _grad_dtype_of = operator.attrgetter("grad_dtype")
-_deref = weakref.ref.__call__  # a weak reference's referent (None once it died), as a C-level function
+_deref = ti.deref
 
 
 def _grad_or_none(p: torch.Tensor | None) -> torch.Tensor | None:

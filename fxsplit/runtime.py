@@ -45,8 +45,8 @@ from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend, copy_exactl
 from fxsplit.layouts import BoundaryGuard
 from fxsplit.passes import SplitResult
 
-_GRAD = operator.attrgetter("grad")
-_deref = weakref.ref.__call__  # a weak reference's referent (None once it died), as a C-level function
+_GRAD = ti.grad_of
+_deref = ti.deref
 
 log = logging.getLogger("fxsplit")
 
