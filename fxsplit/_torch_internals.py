@@ -595,6 +595,43 @@ deref: Callable[[Any], Any] = weakref.ref.__call__  # a weak reference's referen
 _data_ptr = torch.Tensor.data_ptr
 
 
+class StorageUse:
+    """Whether a storage has gained holders since it was watched.
+
+    Relies on two private pieces that Inductor's cudagraph trees rely on for
+    the same question (is a static output still referenced?):
+    ``torch.multiprocessing.reductions.StorageWeakRef`` (a weak reference to
+    a storage, which does not count as a holder) and
+    ``torch._C._storage_Use_Count`` (the storage's strong reference count:
+    one per tensor that views it, including ``.detach()`` aliases and views of
+    views, plus the storage's Python object, whether or not torch preserves
+    that object on its own). tests/test_cudagraphs.py's
+    ``test_storage_use_counts_every_tensor_that_views_a_storage`` fails if
+    either changes meaning. The watched storage's Python object is held here,
+    so that its share of the count cannot change while it is watched (the
+    caller holds the tensor anyway: no lifetime changes).
+    """
+
+    __slots__ = ("_storage", "_ref", "_base")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._storage = t.untyped_storage()
+        self._ref = StorageWeakRef(self._storage)
+        self._base = torch._C._storage_Use_Count(self._ref.cdata)
+
+    def add_holder(self) -> None:
+        """Count one more holder as the watched state (one that stays, such as
+        another graph's static output over the same storage)."""
+        self._base += 1
+
+    def gained_holders(self) -> bool:
+        """Whether more tensors (or storage objects) hold the storage now than
+        when it was watched."""
+        return torch._C._storage_Use_Count(self._ref.cdata) > self._base
+
+
 @functools.cache
 def _tensor_guards_class() -> Any:
     """Dynamo's ``TensorGuards``, where this torch has one that rejects what

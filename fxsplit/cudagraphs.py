@@ -17,10 +17,16 @@ are, no copy. Its live-ins are the slot's own output buffers, which dW reads
 where they are, no copy either. A slot is busy from B until its W has
 committed (or its pending work is dropped), and B then uses another slot,
 capturing one more, up to :data:`MAX_SLOTS`; so no replay ever overwrites a
-live-in that a pending W still needs. What leaves a slot (the input gradients
-B returns, the weight gradients W hands autograd) is copied out, once;
-weights whose ``.grad`` W accumulates into in the graph are accumulated inside
-the captured dW graph, whose ``.grad`` addresses are part of its key.
+live-in that a pending W still needs. The input gradients B returns leave a
+slot as copies. The weight gradients W hands autograd leave it as they are,
+aliases of the dW graph's static output buffers, as Inductor's cudagraph trees
+hand out their outputs: no copy, which is most of W's host time otherwise.
+Before it replays again, the dW graph checks that none of them is still held
+(the storage's reference count: a ``.grad`` not yet set to ``None``, a view, a
+reference kept by the caller); if one is, that W runs uncaptured and says so
+once, so a replay never overwrites a gradient someone holds. Weights whose
+``.grad`` W accumulates into in the graph are accumulated inside the captured
+dW graph, whose ``.grad`` addresses are part of its key.
 
 A region runs uncaptured, and says so once (INFO), where capture is
 impossible or would not pay: tensors not on CUDA, symbolic sizes, a capture
@@ -45,6 +51,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+
+from fxsplit import _torch_internals as ti
 
 log = logging.getLogger("fxsplit")
 
@@ -136,7 +144,7 @@ class SimulatedCapture:
         # buffers, so that nothing the graph writes in place is written here.
         self.captures += 1
         copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in fn(copies)]
+        outs = [_as_captured(o, copies, args) for o in fn(list(copies))]  # (fn clears the list it is given)
         return (fn, list(args), outs), outs
 
     def replay(self, handle: Any) -> None:
@@ -146,6 +154,23 @@ class SimulatedCapture:
             for old, new in zip(outs, fn(list(args))):
                 if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
                     old.copy_(new)
+
+
+def _as_captured(out: Any, copies: Sequence[Any], args: Sequence[Any]) -> Any:
+    """A simulated capture's static output for ``out``, computed on ``copies``
+    of ``args``: an output in an argument's memory stays in that argument's
+    memory (the argument itself, or the same view of it), as in a CUDA graph;
+    any other output gets memory of its own."""
+    if not isinstance(out, torch.Tensor):
+        return out
+    ptr = ti.storage_ptr(out)
+    for c, a in zip(copies, args):
+        if isinstance(c, torch.Tensor) and ti.storage_ptr(c) == ptr:
+            if out is c:
+                return a
+            if a.stride() == c.stride():
+                return a.as_strided(out.size(), out.stride(), a.storage_offset() + out.storage_offset() - c.storage_offset())
+    return out.clone()
 
 
 _CUDA = _CudaCapture()
@@ -171,13 +196,74 @@ def _ptrs(args: Sequence[Any], copied: frozenset[int] = frozenset()) -> tuple[An
 
 
 class _Graph:
-    """One captured graph: its handle and static outputs."""
+    """One captured graph: its handle, its static outputs, and how each output
+    leaves a replay (:meth:`hand_out`).
 
-    __slots__ = ("handle", "outs")
+    An output in memory of the graph's own leaves as an alias of the static
+    buffer, as Inductor's cudagraph trees hand out theirs, and so does an
+    output that passes through one of ``lender``'s own outputs (a dW graph
+    returning a live-in of its slot's dI graph as a weight gradient); any
+    other output (in memory the caller gave the graph) leaves as a copy.
+    Each such storage is watched from capture on (:class:`StorageUse`, the
+    static outputs being its only holders then), and :meth:`in_use` says,
+    before the graph that writes it replays again, whether one handed out is
+    still held: a replay would overwrite it."""
 
-    def __init__(self, handle: Any, outs: list[Any]) -> None:
+    __slots__ = ("handle", "outs", "_how", "_uses", "_checked")
+
+    def __init__(
+        self, handle: Any, outs: list[Any], inputs: Sequence[Any] = (), lender: _Graph | None = None,
+        hands_out: bool = True,
+    ) -> None:
         self.handle = handle
         self.outs = outs
+        taken = ti.storage_ptrs(inputs)
+        self._uses: dict[int, ti.StorageUse] = {}
+        how: list[Any] = []
+        counted: set[int] = set()
+        for o in outs:
+            if type(o) is not torch.Tensor or o.layout != torch.strided:
+                how.append(copy_exactly if isinstance(o, torch.Tensor) else None)
+                continue
+            ptr = ti.storage_ptr(o)
+            if ptr not in taken:
+                if ptr not in self._uses:
+                    self._uses[ptr] = ti.StorageUse(o)
+                how.append(_ALIAS)
+            elif lender is not None and lender.lend(ptr, o if id(o) not in counted else None):
+                how.append(_ALIAS)
+                counted.add(id(o))
+            else:
+                how.append(copy_exactly)
+        self._how = how
+        # What a replay of this graph must not overwrite while it is held:
+        # every output it hands out (a dW graph), or only those another graph
+        # passed on (a dI graph, whose live-ins its W work holds and drops).
+        self._checked = list(self._uses.values()) if hands_out else []
+
+    def lend(self, ptr: int, held_by: torch.Tensor | None = None) -> bool:
+        """Whether ``ptr`` is one of this graph's own output storages; if so,
+        it is checked before every later replay (:meth:`in_use`). ``held_by``:
+        the other graph's static output over it, which holds it from now on
+        (unless it is one of this graph's own output tensors)."""
+        use = self._uses.get(ptr)
+        if use is None:
+            return False
+        if use not in self._checked:
+            self._checked.append(use)
+        if held_by is not None and not any(held_by is o for o in self.outs):
+            use.add_holder()
+        return True
+
+    def in_use(self) -> bool:
+        """Whether an output handed out by an earlier replay is still held by
+        anyone (a ``.grad``, a view of one, a reference kept across steps)."""
+        return any(map(_GAINED, self._checked))
+
+    def hand_out(self) -> list[Any]:
+        """The outputs of the replay just made: aliases of the static buffers
+        where this graph (or its lender) owns them, copies of the others."""
+        return [o if how is None else how(o) for o, how in zip(self.outs, self._how)]
 
 
 class Slot:
@@ -246,6 +332,10 @@ def _clone_out(values: Sequence[Any]) -> list[Any]:
     return [copy_exactly(v) if isinstance(v, torch.Tensor) else v for v in values]
 
 
+_ALIAS = torch.Tensor.detach  # a tensor of its own over the same storage: one more holder
+_GAINED = ti.StorageUse.gained_holders
+
+
 class RegionCapture:
     """The slots of one region (module docs). ``status`` is ``"captured"``, or
     why the region runs uncaptured."""
@@ -259,6 +349,8 @@ class RegionCapture:
         self._lock = threading.Lock()
         self._said: set[str] = set()
         self.replays = {"dI": 0, "dW": 0, "dW+accumulate": 0}
+        # W runs left uncaptured because a gradient an earlier replay handed out was still held
+        self.held_back = 0
 
     def say_once(self, what: str) -> None:
         if what not in self._said:
@@ -275,8 +367,9 @@ class RegionCapture:
             return f"CUDA graphs: off ({self.status})"
         busy = sum(s.busy for s in self.slots)
         variants = sum(len([v for v in s.variants.values() if v is not None]) for s in self.slots)
+        held = f"; {self.held_back} W run(s) uncaptured, a gradient of an earlier replay still held" if self.held_back else ""
         return (f"CUDA graphs: {len(self.slots)} slot(s) ({busy} holding live-ins), "
-                f"{variants} accumulating dW graph(s); replays {self.replays}")
+                f"{variants} accumulating dW graph(s); replays {self.replays}{held}")
 
     # -- dI -------------------------------------------------------------------------------------
     def run_di(
@@ -302,7 +395,9 @@ class RegionCapture:
             fn = _copying(fn, copied)
         key = _ptrs(args, copied_inputs)
         with self._lock:
-            slot = next((s for s in self.slots if s.key == key and not s.busy and s.di is not None), None)
+            slot = next(
+                (s for s in self.slots if s.key == key and not s.busy and s.di is not None and not s.di.in_use()), None
+            )
             if slot is None:
                 if len(self.slots) >= MAX_SLOTS:
                     self.say_once(
@@ -319,7 +414,7 @@ class RegionCapture:
                 except Exception as e:  # noqa: BLE001 - a capture that cannot be made is reported, not fatal
                     self.disable(f"capturing the dI graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                     return None
-                slot.di = _Graph(handle, outs)
+                slot.di = _Graph(handle, outs, static, hands_out=False)
                 self.slots.append(slot)
             slot.holder = _TAKEN  # busy until the caller hands it to its W work, or releases it
         for i, buffer in slot.inputs.items():
@@ -332,28 +427,41 @@ class RegionCapture:
     # -- dW -------------------------------------------------------------------------------------
     def run_dw(self, slot: Slot, fn: BoxedFn, live_ins: list[Any]) -> list[Any] | None:
         """Replay the slot's dW graph on its live-ins (capturing it on first
-        use); the weight gradients copied out. ``None``: run uncaptured."""
+        use); the weight gradients handed out (:class:`_Graph`). ``None``: run
+        uncaptured, also where a gradient handed out by the last replay is
+        still held."""
         if self.status != "captured":
             return None
-        if slot.dw is None:
+        graph = slot.dw
+        if graph is None:
             try:
                 self.backend.warm_up(fn, live_ins, self.device)
                 handle, outs = self.backend.capture(fn, live_ins, slot.pool, self.device)
             except Exception as e:  # noqa: BLE001
                 self.disable(f"capturing the dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                 return None
-            slot.dw = _Graph(handle, outs)
-        self.backend.replay(slot.dw.handle)
+            graph = slot.dw = _Graph(handle, outs, live_ins, lender=slot.di)
+        elif graph.in_use():
+            return self._held_back()
+        self.backend.replay(graph.handle)
         self.replays["dW"] += 1
-        return _clone_out(slot.dw.outs)
+        return graph.hand_out()
+
+    def _held_back(self) -> None:
+        self.held_back += 1
+        self.say_once(
+            "a weight gradient from an earlier replay of a dW graph is still referenced (a .grad kept across "
+            "steps, or a reference to one): W runs uncaptured until it is dropped, so that the replay cannot "
+            "overwrite it"
+        )
 
     def run_dw_accumulating(
         self, slot: Slot, positions: tuple[int, ...], fn: BoxedFn, args: list[Any], n_grads: int
     ) -> list[Any] | None:
         """Replay the slot's dW graph that accumulates into the ``.grad``
         tensors at the end of ``args`` (captured per set of ``.grad``
-        addresses, at most :data:`MAX_VARIANTS`); the other gradients copied
-        out. ``None``: run uncaptured."""
+        addresses, at most :data:`MAX_VARIANTS`); the other gradients handed
+        out as :meth:`run_dw` does. ``None``: run uncaptured."""
         if self.status != "captured":
             return None
         key = (positions, _ptrs(args[len(args) - n_grads:]))
@@ -377,11 +485,11 @@ class RegionCapture:
                     f"capturing the accumulating dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
                 )
                 return None
-            graph = slot.variants[key] = _Graph(handle, outs)
+            graph = slot.variants[key] = _Graph(handle, outs, args, lender=slot.di)
+        elif graph.in_use():
+            return self._held_back()
         # One replay writes every accumulated .grad, or (raising) any of them:
         # W's ledger records it as one write of each (see fxsplit.pending).
-        from fxsplit import _torch_internals as ti
-
         ledger = ti.current_ledger()
         ptrs = [g.data_ptr() for g in args[len(args) - n_grads:]]
         if ledger is not None:
@@ -390,7 +498,7 @@ class RegionCapture:
         if ledger is not None:
             ledger.ended.update(ptrs)
         self.replays["dW+accumulate"] += 1
-        return _clone_out(graph.outs)
+        return graph.hand_out()
 
 
 class _Taken:
@@ -415,7 +523,5 @@ def _no_ledger() -> Any:
     """Capture records the accumulation brackets' Python calls, which a
     replay does not make: keep them out of the ledger of the W being run
     (the caller accounts for a replay as one write of every accumulated weight)."""
-    from fxsplit import _torch_internals as ti
-
     with ti.recording_accumulation():
         yield

@@ -321,6 +321,48 @@ def test_reduce_overhead_replays_bitwise_with_microbatches_in_flight(dtype: torc
     assert replays["dI"] == 9 and replays["dW"] + replays["dW+accumulate"] == 9, replays
 
 
+def test_reduce_overhead_hands_out_weight_gradients_and_never_overwrites_one_held() -> None:
+    """mode="reduce-overhead", ``.grad`` set to ``None`` before every step (as
+    optimizers do): W hands ``.grad`` the captured graphs' static buffers (no
+    copy), every gradient bitwise the uncaptured split's; gradients kept
+    across a step (views of every one) are never overwritten by a replay."""
+    from fxsplit import _torch_internals as ti
+
+    stage = _small(torch.bfloat16)
+    captured, plain = stage.module, copy.deepcopy(stage.module)
+    before = fxsplit.compiled_regions()
+    fn = torch.compile(captured, backend="fxsplit", mode="reduce-overhead")
+    plain_fn = torch.compile(plain, backend="fxsplit")
+    kept: dict[str, torch.Tensor] = {}
+    for step in range(5):
+        if step == 2:
+            kept = {n: p.grad.view(-1) for n, p in captured.named_parameters()}
+        values = {n: v.clone() for n, v in kept.items()}
+        for p in (*captured.parameters(), *plain.parameters()):
+            p.grad = None
+        xs = [stage.make_input() for _ in range(2)]
+        gs = [torch.randn_like(x) for x in xs]
+        for a, b in zip(_run_split(captured, fn, xs, gs), _run_split(plain, plain_fn, xs, gs)):
+            assert torch.equal(a, b), f"step {step}: an input gradient differs"
+        for (name, p), q in zip(captured.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name} differs"
+            assert p.grad.stride() == q.grad.stride() and not p.grad._is_view()
+        for name, v in kept.items():
+            assert torch.equal(v, values[name]), f"step {step}: a replay overwrote the kept gradient of {name}"
+        if step == 3:
+            kept = {}
+    regions = [r for r in new_regions(before) if r.capture is not None]
+    assert regions and all(r.capture.status == "captured" for r in regions)
+    statics = {
+        ti.storage_ptr(o)
+        for r in regions for s in r.capture.slots
+        for g in (s.di, s.dw, *s.variants.values()) if g is not None
+        for o in g.outs if isinstance(o, torch.Tensor)
+    }
+    assert all(ti.storage_ptr(p.grad) in statics for p in captured.parameters()), "a weight gradient was copied"
+    print({r.name: r.capture.describe() for r in regions})
+
+
 def test_reduce_overhead_ordinary_backward_is_inductors() -> None:
     """Ordinary backward of a reduce-overhead fxsplit module runs the fused graph
     through Inductor's cudagraph trees, as backend="inductor" does; its

@@ -10,6 +10,7 @@ a GPU are in ``tests/test_cuda.py``.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 
 import fxsplit
+from fxsplit import _torch_internals as ti
 from fxsplit import cudagraphs, runtime
 from fxsplit.cudagraphs import RegionCapture, SimulatedCapture
 from stage_check import new_regions
@@ -294,3 +296,114 @@ def test_output_gradients_are_copied_in_and_cpu_scalars_key_by_value() -> None:
         slot.release()
         seen.append(slot)
     assert seen[0] is seen[1] and seen[2] is not seen[0] and len(capture.slots) == 2
+
+
+# -- weight gradients leave a replay without a copy ---------------------------------------------
+
+
+def _static_storages(capture: RegionCapture) -> set[int]:
+    """Storages of the static output buffers of every captured dW graph."""
+    graphs = [s.dw for s in capture.slots] + [g for s in capture.slots for g in s.variants.values()]
+    return {ti.storage_ptr(o) for g in graphs if g is not None for o in g.outs if isinstance(o, torch.Tensor)}
+
+
+def test_weight_gradients_leave_the_dw_graph_without_a_copy(simulated: SimulatedCapture) -> None:
+    """W hands autograd the dW graph's static output buffers, as Inductor's
+    cudagraph trees hand out theirs: ``.grad`` is a tensor of its own (no
+    view) over them. With ``.grad`` set to ``None`` between steps, as
+    optimizers do, every step replays and stays bitwise the plain split's."""
+    captured, fn, plain, plain_fn = _pair()
+    before = fxsplit.compiled_regions()
+    for step in range(3):
+        for p in (*captured.parameters(), *plain.parameters()):
+            p.grad = None
+        xs = [torch.randn(2, 3, 8) for _ in range(2)]
+        gs = [torch.randn(2, 3, 8) for _ in range(2)]
+        got = _zb_step(captured, fn, xs, gs)
+        want = _zb_step(plain, plain_fn, xs, gs)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"step {step}: input gradient differs"
+        for (name, p), q in zip(captured.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+            assert p.grad.stride() == q.grad.stride() and p.grad.dtype == q.grad.dtype
+            assert not p.grad._is_view() and not p.grad.requires_grad
+    capture = next(r for r in new_regions(before) if r.capture is not None).capture
+    statics = _static_storages(capture)
+    assert all(ti.storage_ptr(p.grad) in statics for p in captured.parameters()), "a weight gradient was copied"
+    # per step: W of the second microbatch starts from .grad = None (plain dW), the first accumulates into it
+    assert capture.replays == {"dI": 6, "dW": 3, "dW+accumulate": 3} and capture.held_back == 0
+
+
+def test_a_weight_gradient_still_held_is_never_overwritten(caplog: pytest.LogCaptureFixture) -> None:
+    """Weight gradients leave a replay as aliases of static memory: the dW
+    graph's own outputs, and a live-in of the slot passed through as a
+    gradient. Before the graph that writes one replays again, it must have
+    been dropped (a ``.grad`` set to ``None``, every view of it gone): while a
+    dW output is held, W runs uncaptured and says so once; while a live-in
+    handed out is held, dI replays into another slot."""
+    capture = RegionCapture("region-test", SimulatedCapture(), torch.device("cpu"))
+    w = torch.randn(4, 4)
+
+    def di(args: list[Any]) -> list[Any]:
+        (x,) = args
+        return [x @ w, x * 2]  # an input gradient, then a live-in
+
+    def dw(args: list[Any]) -> list[Any]:
+        (live,) = args
+        return [live.sum(0), live]  # a gradient of its own, and the live-in as a gradient
+
+    x = torch.randn(3, 4)
+    (_, live), slot = capture.run_di(di, [x], 1)
+    grad, passed = capture.run_dw(slot, dw, [live])
+    static = slot.dw.outs[0]
+    assert grad is not static and grad.data_ptr() == static.data_ptr() and not grad._is_view()
+    assert passed is not live and passed.data_ptr() == live.data_ptr() and not passed._is_view()
+    torch.testing.assert_close(grad, (x * 2).sum(0))
+    kept, kept_passed = grad.clone(), passed.clone()
+    slot.release()
+    x.add_(1.0)  # the same address, other values: the next microbatch
+    (_, live1), other = capture.run_di(di, [x], 1)
+    assert other is not slot, "dI replayed into a live-in handed out as a gradient"
+    assert torch.equal(passed, kept_passed)
+    torch.testing.assert_close(live1, x * 2)
+    other.release()
+    del passed
+    (_, live), again = capture.run_di(di, [x], 1)
+    assert again is slot and len(capture.slots) == 2
+    with caplog.at_level(logging.INFO, logger="fxsplit"):
+        assert capture.run_dw(slot, dw, [live]) is None  # `grad` is held
+        view = grad.view(2, 2)
+        del grad
+        assert capture.run_dw(slot, dw, [live]) is None  # a view of it is held
+    assert torch.equal(view.reshape(-1), kept), "a replay overwrote a gradient still held"
+    said = [r.getMessage() for r in caplog.records if "still referenced" in r.getMessage()]
+    assert len(said) == 1 and capture.held_back == 2 and "still held" in capture.describe()
+    del view
+    grad, _ = capture.run_dw(slot, dw, [live])
+    torch.testing.assert_close(grad, (x * 2).sum(0))
+    assert grad.data_ptr() == static.data_ptr() and capture.replays["dW"] == 2
+
+
+def test_storage_use_counts_every_tensor_that_views_a_storage() -> None:
+    """The private pieces :class:`fxsplit._torch_internals.StorageUse` relies on
+    (as Inductor's cudagraph trees do): a detached alias, a view and a view of
+    a view each count as a holder; a weak reference does not; dropping them
+    gives the count back, garbage collection does not change it."""
+    t = torch.randn(4, 4)
+    use = ti.StorageUse(t)
+    assert not use.gained_holders()
+    alias = t.detach()
+    assert use.gained_holders()
+    view = alias[1:].view(-1)
+    del alias
+    assert use.gained_holders()
+    del view
+    gc.collect()
+    assert not use.gained_holders()
+    held = t[0].detach()
+    gc.collect()
+    assert use.gained_holders()
+    use.add_holder()  # `held` counted as a holder that stays
+    assert not use.gained_holders()
+    del held
+    assert not use.gained_holders()
