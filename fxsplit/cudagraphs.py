@@ -184,8 +184,9 @@ def capture_backend(device: torch.device) -> CaptureBackend | None:
 
 
 def _ptrs(args: Sequence[Any], copied: frozenset[int] = frozenset()) -> tuple[Any, ...]:
-    """The key of a slot: where each tensor argument lies (a CPU scalar by its
-    value: a capture reads it on the host), nothing for those copied in."""
+    """Where each tensor argument lies (a CPU scalar by its value: a capture
+    reads it on the host), nothing for those copied in: the key of an
+    accumulating dW graph's ``.grad`` tensors (a slot's is a :class:`_Key`)."""
     return tuple(
         None if i in copied
         else (("cpu", a.item()) if a.device.type == "cpu" and a.dim() == 0 else a.data_ptr())
@@ -193,6 +194,46 @@ def _ptrs(args: Sequence[Any], copied: frozenset[int] = frozenset()) -> tuple[An
         else a
         for i, a in enumerate(args)
     )
+
+
+# A C++ check of many tensors' addresses against a list (what Inductor's
+# cudagraph trees check their static inputs with); CUDA builds of torch have it.
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _is_cpu_scalar(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0
+
+
+class _Key:
+    """The key of a slot (:func:`_ptrs`'s, checked faster): the addresses of
+    dI's tensor arguments, checked in one C++ call where torch has it; CPU
+    scalars by value and other values as they are; the arguments at
+    ``copied`` not at all."""
+
+    __slots__ = ("_idx", "_ptrs", "_rest_idx", "_rest")
+
+    def __init__(self, args: Sequence[Any], copied: frozenset[int]) -> None:
+        self._idx = [
+            i for i, a in enumerate(args) if i not in copied and isinstance(a, torch.Tensor) and not _is_cpu_scalar(a)
+        ]
+        at = set(self._idx)
+        self._ptrs: list[int | None] = [a.data_ptr() if i in at else None for i, a in enumerate(args)]
+        self._rest_idx = [i for i in range(len(args)) if i not in copied and i not in at]
+        self._rest = self._values(args)
+
+    def _values(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(("cpu", args[i].item()) if _is_cpu_scalar(args[i]) else args[i] for i in self._rest_idx)
+
+    def matches(self, args: Sequence[Any]) -> bool:
+        if len(args) != len(self._ptrs):
+            return False
+        if _PTRS_EQUAL is not None:
+            same = _PTRS_EQUAL(args, self._ptrs, self._idx)
+        else:
+            ptrs = self._ptrs
+            same = all(args[i].data_ptr() == ptrs[i] for i in self._idx)
+        return same and (not self._rest_idx or self._values(args) == self._rest)
 
 
 class _Graph:
@@ -271,7 +312,7 @@ class Slot:
 
     __slots__ = ("key", "pool", "inputs", "di", "dw", "variants", "holder", "__weakref__")
 
-    def __init__(self, key: tuple[Any, ...], pool: Any) -> None:
+    def __init__(self, key: _Key, pool: Any) -> None:
         self.key = key
         self.pool = pool
         # dI inputs copied into the slot at every replay (the output gradients,
@@ -393,10 +434,10 @@ class RegionCapture:
             return None
         if copied:
             fn = _copying(fn, copied)
-        key = _ptrs(args, copied_inputs)
         with self._lock:
             slot = next(
-                (s for s in self.slots if s.key == key and not s.busy and s.di is not None and not s.di.in_use()), None
+                (s for s in self.slots if not s.busy and s.di is not None and s.key.matches(args) and not s.di.in_use()),
+                None,
             )
             if slot is None:
                 if len(self.slots) >= MAX_SLOTS:
@@ -405,7 +446,7 @@ class RegionCapture:
                         "the others run uncaptured"
                     )
                     return None
-                slot = Slot(key, self.backend.pool(self.device))
+                slot = Slot(_Key(args, copied_inputs), self.backend.pool(self.device))
                 try:
                     slot.inputs = {i: copy_exactly(args[i]) for i in copied_inputs if isinstance(args[i], torch.Tensor)}
                     static = [slot.inputs.get(i, a) for i, a in enumerate(args)]
