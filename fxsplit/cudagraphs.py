@@ -488,6 +488,21 @@ class RegionCapture:
         self.replays["dW"] += 1
         return graph.hand_out()
 
+    def adopt(self, slot: Slot, outs: list[Any]) -> list[Any]:
+        """The outputs of a W that ran uncaptured on ``slot``'s live-ins (its
+        dW graph's last gradients still held, or no variant to replay): one
+        that is a live-in itself (a gradient computed in dI, passed through)
+        leaves as an alias that the slot's dI graph checks before it replays
+        again, as a captured W's does; the live-in buffer itself would be
+        overwritten by that replay without a sign."""
+        di = slot.di
+        if di is None:
+            return outs
+        return [
+            _ALIAS(o) if type(o) is torch.Tensor and o.layout == torch.strided and di.lend(ti.storage_ptr(o)) else o
+            for o in outs
+        ]
+
     def _held_back(self) -> None:
         self.held_back += 1
         self.say_once(

@@ -384,6 +384,34 @@ def test_a_weight_gradient_still_held_is_never_overwritten(caplog: pytest.LogCap
     assert grad.data_ptr() == static.data_ptr() and capture.replays["dW"] == 2
 
 
+def test_a_w_run_uncaptured_lends_a_live_in_as_a_captured_one_does(
+    simulated: SimulatedCapture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A W that runs uncaptured on a slot's live-ins (its dW graph's last
+    gradients still held, or no variant left to capture) returns a live-in
+    passed through as a gradient as an alias the slot's dI graph checks: not
+    the slot's buffer itself, which the next replay into that slot would
+    overwrite under the caller's ``.grad``."""
+    monkeypatch.setattr(RegionCapture, "run_dw", lambda *args: None)
+    monkeypatch.setattr(RegionCapture, "run_dw_accumulating", lambda *args: None)
+    captured, fn, plain, plain_fn = _pair()
+    before = fxsplit.compiled_regions()
+    xs, gs = [torch.randn(2, 3, 8)], [torch.randn(2, 3, 8)]
+    for a, b in zip(_zb_step(captured, fn, xs, gs), _zb_step(plain, plain_fn, xs, gs)):
+        assert torch.equal(a, b)
+    for p, q in zip(captured.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    (slot,) = next(r for r in new_regions(before) if r.capture is not None).capture.slots
+    buffers = {ti.storage_ptr(o) for o in slot.di.outs}
+    lent = [p for p in captured.parameters() if ti.storage_ptr(p.grad) in buffers]
+    assert lent, "no gradient passed through a live-in: the test checks nothing"
+    assert not any(p.grad is o for p in lent for o in slot.di.outs), "a .grad is the slot's own buffer"
+    assert slot.di.in_use()  # the next dI replay into this slot would overwrite them
+    for p in lent:
+        p.grad = None
+    assert not slot.di.in_use()
+
+
 def test_storage_use_counts_every_tensor_that_views_a_storage() -> None:
     """The private pieces :class:`fxsplit._torch_internals.StorageUse` relies on
     (as Inductor's cudagraph trees do): a detached alias, a view and a view of
