@@ -8,8 +8,11 @@ zero-bubble schedule holds the live-ins of several microbatches between
 their B and their W, and a replay that wrote into one would change another
 microbatch's gradients without a sound.
 
-So each region keeps *slots*. A slot is one captured dI graph, the dW graphs
-captured against its outputs, and a private memory pool. A slot is keyed by
+So each region keeps *slots*. A slot is one captured dI graph and the dW graphs
+captured against its outputs, each graph in a private memory pool of its own
+(graphs captured into one pool reuse each other's freed blocks, so a dW
+output handed out as ``.grad`` could sit where the slot's next dI replay
+writes its temporaries). A slot is keyed by
 the addresses of dI's inputs (the saved activations, which the forward's own
 CUDA graphs or the caching allocator put at the same addresses from step to
 step, the output gradients, the weights): dI replays reading them where they
@@ -134,7 +137,7 @@ class SimulatedCapture:
         self.replays = 0
 
     def pool(self, device: torch.device) -> Any:
-        return None
+        return object()  # a token: which captures would share memory
 
     def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> None:
         fn(list(args))
@@ -145,11 +148,11 @@ class SimulatedCapture:
         self.captures += 1
         copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         outs = [_as_captured(o, copies, args) for o in fn(list(copies))]  # (fn clears the list it is given)
-        return (fn, list(args), outs), outs
+        return (fn, list(args), outs, pool), outs
 
     def replay(self, handle: Any) -> None:
         self.replays += 1
-        fn, args, outs = handle
+        fn, args, outs, _ = handle
         with torch.no_grad():
             for old, new in zip(outs, fn(list(args))):
                 if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
@@ -314,7 +317,7 @@ class Slot:
 
     def __init__(self, key: _Key, pool: Any) -> None:
         self.key = key
-        self.pool = pool
+        self.pool = pool  # the dI graph's (each dW graph has its own)
         # dI inputs copied into the slot at every replay (the output gradients,
         # which come from wherever the caller has them): position -> buffer
         self.inputs: dict[int, torch.Tensor] = {}
@@ -477,7 +480,7 @@ class RegionCapture:
         if graph is None:
             try:
                 self.backend.warm_up(fn, live_ins, self.device)
-                handle, outs = self.backend.capture(fn, live_ins, slot.pool, self.device)
+                handle, outs = self.backend.capture(fn, live_ins, self.backend.pool(self.device), self.device)
             except Exception as e:  # noqa: BLE001
                 self.disable(f"capturing the dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                 return None
@@ -535,7 +538,7 @@ class RegionCapture:
                 # Warm up on copies of the .grad tensors: the graph adds into them.
                 self.backend.warm_up(fn, list(args[: len(args) - n_grads]) + [g.clone() for g in grads], self.device)
                 with _no_ledger():
-                    handle, outs = self.backend.capture(fn, args, slot.pool, self.device)
+                    handle, outs = self.backend.capture(fn, args, self.backend.pool(self.device), self.device)
             except Exception as e:  # noqa: BLE001
                 self.disable(
                     f"capturing the accumulating dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"

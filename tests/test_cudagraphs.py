@@ -332,6 +332,11 @@ def test_weight_gradients_leave_the_dw_graph_without_a_copy(simulated: Simulated
     assert all(ti.storage_ptr(p.grad) in statics for p in captured.parameters()), "a weight gradient was copied"
     # per step: W of the second microbatch starts from .grad = None (plain dW), the first accumulates into it
     assert capture.replays == {"dI": 6, "dW": 3, "dW+accumulate": 3} and capture.held_back == 0
+    # Each graph captures into a memory pool of its own: graphs sharing a pool reuse each other's
+    # freed blocks, and a .grad handed out from a dW graph's outputs must not lie where the slot's
+    # next dI replay writes its temporaries.
+    pools = [g.handle[3] for s in capture.slots for g in (s.di, s.dw, *s.variants.values()) if g is not None]
+    assert len(pools) == 12 and len({id(p) for p in pools}) == len(pools), "two captured graphs share a pool"
 
 
 def test_a_weight_gradient_still_held_is_never_overwritten(caplog: pytest.LogCaptureFixture) -> None:
