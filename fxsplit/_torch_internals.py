@@ -621,11 +621,6 @@ class StorageUse:
         self._ref = StorageWeakRef(self._storage)
         self._base = torch._C._storage_Use_Count(self._ref.cdata)
 
-    def add_holder(self) -> None:
-        """Count one more holder as the watched state (one that stays, such as
-        another graph's static output over the same storage)."""
-        self._base += 1
-
     def gained_holders(self) -> bool:
         """Whether more tensors (or storage objects) hold the storage now than
         when it was watched."""

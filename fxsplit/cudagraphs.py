@@ -23,7 +23,10 @@ capturing one more, up to :data:`MAX_SLOTS`; so no replay ever overwrites a
 live-in that a pending W still needs. The input gradients B returns leave a
 slot as copies. The weight gradients W hands autograd leave it as they are,
 aliases of the dW graph's static output buffers, as Inductor's cudagraph trees
-hand out their outputs: no copy, which is most of W's host time otherwise.
+hand out their outputs: no copy on the host, which is most of W's host time
+otherwise (a gradient that is a live-in as it is, a bias gradient computed in
+dI, is copied by the captured dW graph itself, a kernel inside the replay, so
+that nothing handed out lies in memory the slot's dI graph writes).
 Before it replays again, the dW graph checks that none of them is still held
 (the storage's reference count: a ``.grad`` not yet set to ``None``, a view, a
 reference kept by the caller); if one is, that W runs uncaptured and says so
@@ -77,8 +80,9 @@ class CaptureBackend(Protocol):
     def pool(self, device: torch.device) -> Any:
         """A fresh private memory pool."""
 
-    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> None:
-        """Run ``fn`` once as capture will (lazy initialization out of the way)."""
+    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> list[Any]:
+        """Run ``fn`` once as capture will (lazy initialization out of the way);
+        its outputs."""
 
     def capture(self, fn: BoxedFn, args: list[Any], pool: Any, device: torch.device) -> tuple[Any, list[Any]]:
         """Capture ``fn(args)``; returns a handle and the outputs (static buffers,
@@ -105,12 +109,13 @@ class _CudaCapture:
     def pool(self, device: torch.device) -> Any:
         return torch.cuda.graph_pool_handle()
 
-    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> None:
+    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> list[Any]:
         stream = self._stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            fn(list(args))
+            outs = list(fn(list(args)))
         torch.cuda.current_stream(device).wait_stream(stream)
+        return outs
 
     def capture(self, fn: BoxedFn, args: list[Any], pool: Any, device: torch.device) -> tuple[Any, list[Any]]:
         graph = torch.cuda.CUDAGraph()
@@ -139,8 +144,8 @@ class SimulatedCapture:
     def pool(self, device: torch.device) -> Any:
         return object()  # a token: which captures would share memory
 
-    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> None:
-        fn(list(args))
+    def warm_up(self, fn: BoxedFn, args: list[Any], device: torch.device) -> list[Any]:
+        return list(fn(list(args)))
 
     def capture(self, fn: BoxedFn, args: list[Any], pool: Any, device: torch.device) -> tuple[Any, list[Any]]:
         # A capture records, it does not run: work on copies for the output
@@ -244,60 +249,33 @@ class _Graph:
     leaves a replay (:meth:`hand_out`).
 
     An output in memory of the graph's own leaves as an alias of the static
-    buffer, as Inductor's cudagraph trees hand out theirs, and so does an
-    output that passes through one of ``lender``'s own outputs (a dW graph
-    returning a live-in of its slot's dI graph as a weight gradient); any
-    other output (in memory the caller gave the graph) leaves as a copy.
-    Each such storage is watched from capture on (:class:`StorageUse`, the
-    static outputs being its only holders then), and :meth:`in_use` says,
-    before the graph that writes it replays again, whether one handed out is
-    still held: a replay would overwrite it."""
+    buffer, as Inductor's cudagraph trees hand out theirs; an output in memory
+    the caller gave the graph leaves as a copy (a dW graph copies its
+    passed-through live-ins itself, inside the capture: see
+    :meth:`RegionCapture.run_dw`). With ``watch``, each of the graph's own
+    storages is watched from capture on (:class:`StorageUse`, the static
+    outputs being its only holders then), and :meth:`in_use` says, before the
+    graph replays again, whether one handed out is still held: the replay
+    would overwrite it. ``storages``: the data pointers of those storages."""
 
-    __slots__ = ("handle", "outs", "_how", "_uses", "_checked")
+    __slots__ = ("handle", "outs", "storages", "_how", "_checked")
 
-    def __init__(
-        self, handle: Any, outs: list[Any], inputs: Sequence[Any] = (), lender: _Graph | None = None,
-        hands_out: bool = True,
-    ) -> None:
+    def __init__(self, handle: Any, outs: list[Any], inputs: Sequence[Any] = (), watch: bool = True) -> None:
         self.handle = handle
         self.outs = outs
         taken = ti.storage_ptrs(inputs)
-        self._uses: dict[int, ti.StorageUse] = {}
+        own: dict[int, ti.StorageUse | None] = {}
         how: list[Any] = []
-        counted: set[int] = set()
         for o in outs:
-            if type(o) is not torch.Tensor or o.layout != torch.strided:
-                how.append(copy_exactly if isinstance(o, torch.Tensor) else None)
-                continue
-            ptr = ti.storage_ptr(o)
-            if ptr not in taken:
-                if ptr not in self._uses:
-                    self._uses[ptr] = ti.StorageUse(o)
+            if type(o) is torch.Tensor and o.layout == torch.strided and (ptr := ti.storage_ptr(o)) not in taken:
+                if ptr not in own:
+                    own[ptr] = ti.StorageUse(o) if watch else None
                 how.append(_ALIAS)
-            elif lender is not None and lender.lend(ptr, o if id(o) not in counted else None):
-                how.append(_ALIAS)
-                counted.add(id(o))
             else:
-                how.append(copy_exactly)
+                how.append(copy_exactly if isinstance(o, torch.Tensor) else None)
         self._how = how
-        # What a replay of this graph must not overwrite while it is held:
-        # every output it hands out (a dW graph), or only those another graph
-        # passed on (a dI graph, whose live-ins its W work holds and drops).
-        self._checked = list(self._uses.values()) if hands_out else []
-
-    def lend(self, ptr: int, held_by: torch.Tensor | None = None) -> bool:
-        """Whether ``ptr`` is one of this graph's own output storages; if so,
-        it is checked before every later replay (:meth:`in_use`). ``held_by``:
-        the other graph's static output over it, which holds it from now on
-        (unless it is one of this graph's own output tensors)."""
-        use = self._uses.get(ptr)
-        if use is None:
-            return False
-        if use not in self._checked:
-            self._checked.append(use)
-        if held_by is not None and not any(held_by is o for o in self.outs):
-            use.add_holder()
-        return True
+        self.storages = frozenset(own)
+        self._checked = [u for u in own.values() if u is not None]
 
     def in_use(self) -> bool:
         """Whether an output handed out by an earlier replay is still held by
@@ -306,8 +284,17 @@ class _Graph:
 
     def hand_out(self) -> list[Any]:
         """The outputs of the replay just made: aliases of the static buffers
-        where this graph (or its lender) owns them, copies of the others."""
+        where this graph owns them, copies of the others."""
         return [o if how is None else how(o) for o, how in zip(self.outs, self._how)]
+
+
+def _passed_through(outs: Sequence[Any], args: Sequence[Any]) -> list[int]:
+    """Positions of the outputs that lie in one of the arguments' memory."""
+    taken = ti.storage_ptrs(args)
+    return [
+        i for i, o in enumerate(outs)
+        if isinstance(o, torch.Tensor) and o.layout == torch.strided and ti.storage_ptr(o) in taken
+    ]
 
 
 class Slot:
@@ -438,10 +425,7 @@ class RegionCapture:
         if copied:
             fn = _copying(fn, copied)
         with self._lock:
-            slot = next(
-                (s for s in self.slots if not s.busy and s.di is not None and s.key.matches(args) and not s.di.in_use()),
-                None,
-            )
+            slot = next((s for s in self.slots if not s.busy and s.di is not None and s.key.matches(args)), None)
             if slot is None:
                 if len(self.slots) >= MAX_SLOTS:
                     self.say_once(
@@ -458,7 +442,7 @@ class RegionCapture:
                 except Exception as e:  # noqa: BLE001 - a capture that cannot be made is reported, not fatal
                     self.disable(f"capturing the dI graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                     return None
-                slot.di = _Graph(handle, outs, static, hands_out=False)
+                slot.di = _Graph(handle, outs, static, watch=False)
                 self.slots.append(slot)
             slot.holder = _TAKEN  # busy until the caller hands it to its W work, or releases it
         for i, buffer in slot.inputs.items():
@@ -471,20 +455,24 @@ class RegionCapture:
     # -- dW -------------------------------------------------------------------------------------
     def run_dw(self, slot: Slot, fn: BoxedFn, live_ins: list[Any]) -> list[Any] | None:
         """Replay the slot's dW graph on its live-ins (capturing it on first
-        use); the weight gradients handed out (:class:`_Graph`). ``None``: run
-        uncaptured, also where a gradient handed out by the last replay is
-        still held."""
+        use); the weight gradients handed out (:class:`_Graph`). A gradient
+        that is a live-in as it is (a bias gradient computed in dI) is copied
+        by the captured graph itself, so that what W hands out is the dW
+        graph's memory, never the slot's (which the next dI replay writes).
+        ``None``: run uncaptured, also where a gradient handed out by the last
+        replay is still held."""
         if self.status != "captured":
             return None
         graph = slot.dw
         if graph is None:
             try:
-                self.backend.warm_up(fn, live_ins, self.device)
-                handle, outs = self.backend.capture(fn, live_ins, self.backend.pool(self.device), self.device)
+                passed = _passed_through(self.backend.warm_up(fn, live_ins, self.device), live_ins)
+                captured = _copying(fn, passed) if passed else fn
+                handle, outs = self.backend.capture(captured, live_ins, self.backend.pool(self.device), self.device)
             except Exception as e:  # noqa: BLE001
                 self.disable(f"capturing the dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                 return None
-            graph = slot.dw = _Graph(handle, outs, live_ins, lender=slot.di)
+            graph = slot.dw = _Graph(handle, outs, live_ins)
         elif graph.in_use():
             return self._held_back()
         self.backend.replay(graph.handle)
@@ -493,16 +481,18 @@ class RegionCapture:
 
     def adopt(self, slot: Slot, outs: list[Any]) -> list[Any]:
         """The outputs of a W that ran uncaptured on ``slot``'s live-ins (its
-        dW graph's last gradients still held, or no variant to replay): one
-        that is a live-in itself (a gradient computed in dI, passed through)
-        leaves as an alias that the slot's dI graph checks before it replays
-        again, as a captured W's does; the live-in buffer itself would be
-        overwritten by that replay without a sign."""
+        dW graph's last gradients still held, or no variant to replay), with
+        each one that is a live-in itself (a gradient computed in dI, passed
+        through) copied, as the captured dW graph copies it: the slot's
+        buffer would be overwritten under the caller's ``.grad`` by the next
+        dI replay into that slot."""
         di = slot.di
         if di is None:
             return outs
+        mine = di.storages
         return [
-            _ALIAS(o) if type(o) is torch.Tensor and o.layout == torch.strided and di.lend(ti.storage_ptr(o)) else o
+            copy_exactly(o) if isinstance(o, torch.Tensor) and o.layout == torch.strided
+            and ti.storage_ptr(o) in mine else o
             for o in outs
         ]
 
@@ -536,15 +526,17 @@ class RegionCapture:
             grads = args[len(args) - n_grads:]
             try:
                 # Warm up on copies of the .grad tensors: the graph adds into them.
-                self.backend.warm_up(fn, list(args[: len(args) - n_grads]) + [g.clone() for g in grads], self.device)
+                warm = list(args[: len(args) - n_grads]) + [g.clone() for g in grads]
+                passed = _passed_through(self.backend.warm_up(fn, warm, self.device), warm)
+                captured = _copying(fn, passed) if passed else fn  # as run_dw
                 with _no_ledger():
-                    handle, outs = self.backend.capture(fn, args, self.backend.pool(self.device), self.device)
+                    handle, outs = self.backend.capture(captured, args, self.backend.pool(self.device), self.device)
             except Exception as e:  # noqa: BLE001
                 self.disable(
                     f"capturing the accumulating dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
                 )
                 return None
-            graph = slot.variants[key] = _Graph(handle, outs, args, lender=slot.di)
+            graph = slot.variants[key] = _Graph(handle, outs, args)
         elif graph.in_use():
             return self._held_back()
         # One replay writes every accumulated .grad, or (raising) any of them:
