@@ -65,19 +65,24 @@ def _pair(mode: str | None = "reduce-overhead") -> tuple[nn.Module, Any, nn.Modu
             plain, torch.compile(plain, backend=fxsplit.backend(compiler="eager")))
 
 
+def _bitwise_step(captured: nn.Module, fn: Any, plain: nn.Module, plain_fn: Any, microbatches: int, step: int) -> None:
+    """One step of ``microbatches`` in flight through the captured region and
+    through its plain twin: input and weight gradients bitwise equal, ``.grad``
+    in the same strides."""
+    xs = [torch.randn(2, 3, 8) for _ in range(microbatches)]
+    gs = [torch.randn(2, 3, 8) for _ in range(microbatches)]
+    for a, b in zip(_zb_step(captured, fn, xs, gs), _zb_step(plain, plain_fn, xs, gs)):
+        assert torch.equal(a, b), f"step {step}: input gradient differs"
+    for (name, p), q in zip(captured.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+        assert p.grad.stride() == q.grad.stride(), f"step {step}: {name}"
+
+
 def test_replays_give_bitwise_the_uncaptured_split_with_microbatches_in_flight(simulated: SimulatedCapture) -> None:
     captured, fn, plain, plain_fn = _pair()
     before = fxsplit.compiled_regions()
     for step in range(2):  # the second step accumulates into the first's .grad (captured accumulating dW)
-        xs = [torch.randn(2, 3, 8) for _ in range(3)]
-        gs = [torch.randn(2, 3, 8) for _ in range(3)]
-        got = _zb_step(captured, fn, xs, gs)
-        want = _zb_step(plain, plain_fn, xs, gs)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b), f"step {step}: input gradient differs"
-        for (name, p), q in zip(captured.named_parameters(), plain.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
-            assert p.grad.stride() == q.grad.stride()
+        _bitwise_step(captured, fn, plain, plain_fn, 3, step)
     region = next(r for r in new_regions(before) if r.capture is not None)
     capture = region.capture
     assert capture.status == "captured"
@@ -317,16 +322,9 @@ def test_weight_gradients_leave_the_dw_graph_without_a_copy(simulated: Simulated
     for step in range(3):
         for p in (*captured.parameters(), *plain.parameters()):
             p.grad = None
-        xs = [torch.randn(2, 3, 8) for _ in range(2)]
-        gs = [torch.randn(2, 3, 8) for _ in range(2)]
-        got = _zb_step(captured, fn, xs, gs)
-        want = _zb_step(plain, plain_fn, xs, gs)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b), f"step {step}: input gradient differs"
-        for (name, p), q in zip(captured.named_parameters(), plain.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
-            assert p.grad.stride() == q.grad.stride() and p.grad.dtype == q.grad.dtype
-            assert not p.grad._is_view() and not p.grad.requires_grad
+        _bitwise_step(captured, fn, plain, plain_fn, 2, step)
+        for p, q in zip(captured.parameters(), plain.parameters()):
+            assert p.grad.dtype == q.grad.dtype and not p.grad._is_view() and not p.grad.requires_grad
     capture = next(r for r in new_regions(before) if r.capture is not None).capture
     statics = _static_storages(capture)
     assert all(ti.storage_ptr(p.grad) in statics for p in captured.parameters()), "a weight gradient was copied"
