@@ -197,7 +197,7 @@ def _ptrs(args: Sequence[Any], copied: frozenset[int] = frozenset()) -> tuple[An
     accumulating dW graph's ``.grad`` tensors (a slot's is a :class:`_Key`)."""
     return tuple(
         None if i in copied
-        else (("cpu", a.item()) if a.device.type == "cpu" and a.dim() == 0 else a.data_ptr())
+        else (("cpu", a.item()) if _is_cpu_scalar(a) else a.data_ptr())
         if isinstance(a, torch.Tensor)
         else a
         for i, a in enumerate(args)
@@ -211,6 +211,11 @@ _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 def _is_cpu_scalar(a: Any) -> bool:
     return isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0
+
+
+def _strided_storage(o: Any) -> int | None:
+    """The storage (data pointer) of a strided tensor, else ``None``."""
+    return ti.storage_ptr(o) if isinstance(o, torch.Tensor) and o.layout == torch.strided else None
 
 
 class _Key:
@@ -267,7 +272,8 @@ class _Graph:
         own: dict[int, ti.StorageUse | None] = {}
         how: list[Any] = []
         for o in outs:
-            if type(o) is torch.Tensor and o.layout == torch.strided and (ptr := ti.storage_ptr(o)) not in taken:
+            ptr = _strided_storage(o) if type(o) is torch.Tensor else None
+            if ptr is not None and ptr not in taken:
                 if ptr not in own:
                     own[ptr] = ti.StorageUse(o) if watch else None
                 how.append(_ALIAS)
@@ -291,10 +297,7 @@ class _Graph:
 def _passed_through(outs: Sequence[Any], args: Sequence[Any]) -> list[int]:
     """Positions of the outputs that lie in one of the arguments' memory."""
     taken = ti.storage_ptrs(args)
-    return [
-        i for i, o in enumerate(outs)
-        if isinstance(o, torch.Tensor) and o.layout == torch.strided and ti.storage_ptr(o) in taken
-    ]
+    return [i for i, o in enumerate(outs) if _strided_storage(o) in taken]
 
 
 class Slot:
@@ -490,11 +493,7 @@ class RegionCapture:
         if di is None:
             return outs
         mine = di.storages
-        return [
-            copy_exactly(o) if isinstance(o, torch.Tensor) and o.layout == torch.strided
-            and ti.storage_ptr(o) in mine else o
-            for o in outs
-        ]
+        return [copy_exactly(o) if _strided_storage(o) in mine else o for o in outs]
 
     def _held_back(self) -> None:
         self.held_back += 1

@@ -704,12 +704,11 @@ class CompiledSplitBackward:
         try:
             with ti.autocast_disabled():
                 t0 = time.perf_counter_ns()
-                out = None
                 if slot is not None and self._capture is not None:
                     out = self._capture.run_dw(slot, self._run_dw, live_ins)
                     if out is None:  # uncaptured on the slot's live-ins
                         out = self._capture.adopt(slot, list(self._run_dw(live_ins)))
-                if out is None:
+                else:
                     out = list(self._run_dw(live_ins))
                 dt = time.perf_counter_ns() - t0
         finally:
@@ -731,12 +730,11 @@ class CompiledSplitBackward:
         try:
             with ti.autocast_disabled():
                 t0 = time.perf_counter_ns()
-                out = None
                 if slot is not None and self._capture is not None:
                     out = self._capture.run_dw_accumulating(slot, positions, graph, args, len(positions))
                     if out is None:  # uncaptured on the slot's live-ins
                         out = self._capture.adopt(slot, list(graph(args)))
-                if out is None:
+                else:
                     out = list(graph(args))
                 dt = time.perf_counter_ns() - t0
         finally:
