@@ -938,7 +938,9 @@ def is_fsdp_replicate_module(module: torch.nn.Module) -> bool:
 # Attribute names under which each node type exposes its SavedTensor objects
 # (``_raw_saved_self``, ``_raw_saved_mat1``, ... for C++ nodes,
 # ``_raw_saved_tensors`` for custom Functions and AOTAutograd's ctx), per type.
-_RAW_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+# By node type, weakly: an AOTAutograd region's node type is a class of its own,
+# which reaches the region's compiled backward (a strong key would keep it alive).
+_RAW_SAVED_NAMES: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 def _raw_saved_names(node: Any) -> tuple[str, ...]:

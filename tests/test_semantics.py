@@ -846,14 +846,18 @@ def test_compiled_autograd_on_an_eager_stage_splits_correctly() -> None:
 # 8. bounded state: a region lives as long as the code (or pending work) that uses it
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["middle_stage", "first_stage"])
 @pytest.mark.parametrize("mode", ["compiled", pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_regions_are_freed_with_their_module(mode: str) -> None:
+def test_regions_are_freed_with_their_module(mode: str, first: bool) -> None:
+    """Also where B frees a region's saved tensors itself (a first stage runs
+    its bottom regions outside the engine): nothing B leaves behind keeps
+    the region alive."""
     torch.manual_seed(0)
     before = fxsplit.compiled_regions()
     model = TwoLayer()
     fn = prepare(model, mode)
     params = list(model.parameters())
-    x = inputs(1)[0].requires_grad_()
+    x = inputs(1)[0].requires_grad_(not first)
     out = fn(x)
     (region,) = [r for r in fxsplit.compiled_regions() if r not in before]
     ref = weakref.ref(region)
