@@ -25,6 +25,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from fxsplit import _torch_internals as ti
+from fxsplit import config
 from fxsplit.fallback import EagerWeightPlan, compiled_only_plan, gradient_edge, plan_eager_weight_work
 from fxsplit.pending import PendingWeightGrads
 from fxsplit.runtime import InputCall, registered, run_directly
@@ -276,6 +277,8 @@ def stage_backward_input(
     """
     t0 = time.perf_counter_ns()
     _refuse_create_graph(create_graph)
+    if config.direct_b is not True and config.direct_b is not False:
+        config.current("direct_b")  # raises ValueError, naming the option, before any work
     weights = _weights_list(weights)
     outs, grads_raw = _flatten_outputs(stage_outputs_or_loss, output_grads)
     grads = _check_grads(outs, grads_raw)
@@ -328,8 +331,14 @@ def stage_backward_input(
             targets = [v for _, v in grad_inputs] + captures
             with registered(plan.split_regions, call):
                 if not captures and all(type(t) is torch.Tensor for t in (*outs, *targets)):
-                    # Plain tensors, gradients checked above (_check_grads): the engine directly.
-                    results = ti.engine_grad(outs, grads, targets, retain)
+                    # Plain tensors, gradients checked above (_check_grads): the region's
+                    # node itself where nothing differs from an engine call, else the engine.
+                    direct = None if retain else _direct_call(plan, outs, grads, targets)
+                    if direct is not None:
+                        call.release_first = True
+                        results = _run_direct(*direct, targets)
+                    else:
+                        results = ti.engine_grad(outs, grads, targets, retain)
                 else:
                     results = torch.autograd.grad(
                         outs, targets, grad_outputs=grads, retain_graph=retain, allow_unused=True
@@ -389,6 +398,70 @@ def stage_backward_input(
         )
     work.timings["b_ns"] = time.perf_counter_ns() - t0
     return tuple(dinputs), work
+
+
+def _direct_call(
+    plan: EagerWeightPlan, outs: list[Any], grads: list[torch.Tensor], targets: list[torch.Tensor]
+) -> tuple[Any, dict[int, torch.Tensor], list[int]] | None:
+    """``(node, gradients by output, edge of each target)`` where B may call the
+    stage's one region node itself instead of the engine
+    (:data:`fxsplit.config.direct_b`), else ``None``: every forward argument
+    of the region a tensor (the node's results are then its edges'); every
+    output the node's, each once; each target entering the node by one edge
+    of its own; no
+    tensor hook or ``retain_grad`` on any of them (the engine would run them);
+    anomaly mode off; on CUDA, the current stream the default one."""
+    if config.direct_b is not True or len(plan.split_regions) != 1 or torch.is_anomaly_enabled():
+        return None
+    (node,) = plan.split_regions
+    entries = plan.input_edges.get(node)  # (compiled-only plans have them)
+    if entries is None or len(node.needs_input_grad) != len(plan.region_children[node]):
+        return None  # (or a forward argument that is no tensor, a symbolic size: results and edges differ)
+    by_output: dict[int, torch.Tensor] = {}
+    for o, g in zip(outs, grads):
+        if o.grad_fn is not node or o._backward_hooks or o.retains_grad or o.output_nr in by_output:
+            return None
+        by_output[o.output_nr] = g
+    edges = []
+    for x in targets:
+        if x._backward_hooks or x.retains_grad:
+            return None
+        fn = x.grad_fn
+        k = entries.get(id(x) if fn is None else (id(fn), x.output_nr), -1)
+        if k < 0:
+            return None
+        edges.append(k)
+    device = outs[0].device
+    if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
+        return None
+    return node, by_output, edges
+
+
+def _run_direct(
+    node: Any, grads: dict[int, torch.Tensor], edges: list[int], targets: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
+    """B's engine call, made by calling the region's node itself
+    (:func:`_direct_call` says where): each target's gradient, checked and
+    conformed to the target's metadata as the engine's ``validate_outputs``
+    does (summed to its shape where it broadcasts, cast to its dtype)."""
+    results = run_directly(node, grads)
+    out: list[torch.Tensor | None] = []
+    for k, x in zip(edges, targets):
+        g = results[k]
+        if g is not None and (g.shape != x.shape or g.dtype != x.dtype or g.device != x.device):
+            if g.device != x.device:
+                raise RuntimeError(f"fxsplit: the gradient of a stage input came back on {g.device}, expected {x.device}")
+            if g.shape != x.shape:
+                try:
+                    g = g.sum_to_size(x.shape)
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"fxsplit: the gradient of a stage input has shape {list(g.shape)}, "
+                        f"not compatible with the input's {list(x.shape)}"
+                    ) from e
+            g = g.to(x.dtype)
+        out.append(g)
+    return tuple(out)
 
 
 def _run_bottom_regions(plan: EagerWeightPlan, captured: Sequence[torch.Tensor | None]) -> None:

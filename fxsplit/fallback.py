@@ -194,6 +194,10 @@ class EagerWeightPlan:
     # The given weights are distinct tensors, each requiring grad (as the plan
     # found them; False: not known). Lets W skip checking distinctness again.
     weights_distinct: bool = False
+    # Compiled-only plans: where each stage input enters a split region, by
+    # region node: {id(input leaf) or (id(its gradient node), output_nr): index
+    # into the region's next_functions}, -1 where it enters by several edges.
+    input_edges: dict[Node, dict[Any, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def compiled_only(
@@ -203,6 +207,7 @@ class EagerWeightPlan:
         region_params: dict[Node, list[torch.Tensor | None]],
         region_children: dict[Node, list[Node | None]],
         weights_distinct: bool,
+        input_edges: dict[Node, dict[Any, int]],
     ) -> EagerWeightPlan:
         """The plan of a stage of split regions only (:func:`compiled_only_plan`):
         nothing for eager autograd in W. Built without the dataclass's
@@ -215,6 +220,7 @@ class EagerWeightPlan:
         plan.region_params = region_params
         plan.region_children = region_children
         plan.weights_distinct = weights_distinct
+        plan.input_edges = input_edges
         return plan
 
     @property
@@ -403,6 +409,7 @@ def compiled_only_plan(
     found: set[int] = set()
     region_params: dict[Node, list[torch.Tensor | None]] = {}
     region_children: dict[Node, list[Node | None]] = {}
+    input_edges: dict[Node, dict[Any, int]] = {}
     queue = [e.node for e in output_edges]
     while queue:
         node = queue.pop()
@@ -412,9 +419,15 @@ def compiled_only_plan(
             return None
         # Read in bulk (C-level iteration), by where the grad accumulators sit
         # among the node's children (one lookup per distinct arrangement).
-        children = list(map(_first, node.next_functions))
+        edges = node.next_functions
+        children = list(map(_first, edges))
         accumulators, others, spread = _arrangement(tuple(map(type, children)), accumulate_grad)
         below = [children[k] for k in others]
+        entries: dict[Any, int] = {}
+        for k in others:
+            if children[k] in inputs:
+                key = (id(children[k]), edges[k][1])
+                entries[key] = -1 if key in entries else k
         if accumulators:
             variables = list(map(_variable, map(children.__getitem__, accumulators)))
             ids = list(map(id, variables))
@@ -422,9 +435,10 @@ def compiled_only_plan(
             if not leaves.isdisjoint(ids):
                 # Stage inputs that are leaves (their accumulators are inputs, not weights).
                 is_leaf = list(map(leaves.__contains__, ids))
-                for k in itertools.compress(accumulators, is_leaf):
+                for k, key in zip(itertools.compress(accumulators, is_leaf), itertools.compress(ids, is_leaf)):
                     inputs.add(children[k])
                     below.append(children[k])
+                    entries[key] = -1 if key in entries else k
                 weights_here = list(variables)
                 for n in itertools.compress(range(len(is_leaf)), is_leaf):
                     weights_here[n] = None
@@ -441,6 +455,7 @@ def compiled_only_plan(
         regions[node] = below
         region_params[node] = params
         region_children[node] = children
+        input_edges[node] = entries
         queue.extend(c for c in below if c not in inputs and c not in regions)
     distinct = len(given) == len(weights)
     if found != given:
@@ -464,7 +479,9 @@ def compiled_only_plan(
                     grew = True
         if len(reaches) != len(regions):
             return None
-    return EagerWeightPlan.compiled_only(list(regions), len(output_edges), region_params, region_children, distinct)
+    return EagerWeightPlan.compiled_only(
+        list(regions), len(output_edges), region_params, region_children, distinct, input_edges
+    )
 
 
 _first = operator.itemgetter(0)

@@ -108,10 +108,16 @@ class InputCall:
     already; other regions look them up by ``weight_ids``.
     ``region_children``: for the same nodes, the node of each of their
     ``next_functions`` (``None`` where an edge has none), as the plan read them.
+    ``release_first``: B calls the region's node itself, outside the engine
+    (:func:`run_directly`), with the graph not retained: the region frees
+    the activations it saved before its dI graph runs, as AOTAutograd does
+    under an engine call that does not keep the graph (its own check reads
+    the engine's graph task, which a direct call has not), so that dI frees
+    each one after its last use.
     """
 
     __slots__ = ("_weights", "_weight_ids", "records", "deferred", "release_saved", "keep", "handover", "timings",
-                 "region_params", "region_children")
+                 "region_params", "region_children", "release_first")
 
     def __init__(
         self,
@@ -135,6 +141,7 @@ class InputCall:
         self.handover = None if handover is None else frozenset(handover)
         # Time inside the dI graphs this call ran ("b_graph_ns").
         self.timings: dict[str, int] = {}
+        self.release_first = False
 
     @property
     def weight_ids(self) -> frozenset[int]:
@@ -201,15 +208,16 @@ class registered:  # noqa: N801 - used as a function: ``with registered(nodes, c
 _direct = threading.local()
 
 
-def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> None:
+def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """Run region ``node``'s backward outside the engine, on the gradients
     ``grads`` flowing into its inputs, as its registration says (B: the dI
-    graph only). Its results go where the registration sends them (records,
-    hand-overs); the returned weight gradients are ``None`` in B."""
+    graph only): the gradient for each of its ``next_functions``. Its W
+    work goes where the registration sends it (records, hand-overs); the
+    weight gradients returned are ``None`` in B."""
     prev = getattr(_direct, "node", None)
     _direct.node = node
     try:
-        ti.run_node_outside_engine(node, grads)
+        return ti.run_node_outside_engine(node, grads)
     finally:
         _direct.node = prev
 
@@ -415,7 +423,9 @@ class CompiledSplitBackward:
 
     Inspection: ``stats`` counts graph runs (``fused_runs``, ``di_runs``,
     ``dw_runs``; a dW run that accumulates into ``.grad`` counts as a dW run
-    and also in ``accumulating_runs``), ``graph_ns`` the time spent inside
+    and also in ``accumulating_runs``; a dI run B made by calling the
+    region's node itself rather than through autograd's engine, see
+    :data:`fxsplit.config.direct_b`, also in ``direct_b_runs``), ``graph_ns`` the time spent inside
     each kind of graph, ``compile_seconds`` the time each compile took.
     """
 
@@ -480,6 +490,7 @@ class CompiledSplitBackward:
         self._subclass_grads: ti.SubclassGradients | None = None
         self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
         self.accumulating_runs = 0
+        self.direct_b_runs = 0
         self.graph_ns = {"fused": 0, "dI": 0, "dW": 0}
         self._lock = threading.Lock()
         self._compiled: dict[Any, ti.BoxedCallable | None] = {}
@@ -836,6 +847,9 @@ class CompiledSplitBackward:
             self.layout.edges_by_input(node.next_functions, self.name)  # raises, naming the mismatch
         if self._subclass_grads is None and self._has_subclass_inputs:
             self._subclass_grads = ti.SubclassGradients.of(node)
+        if call.release_first:
+            ti.release_saved_tensors(node)  # ``args`` holds them now: dI frees each after its last use
+            self.direct_b_runs += 1
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
         try:

@@ -1,0 +1,195 @@
+"""B without autograd's engine (``fxsplit.config.direct_b``).
+
+B of a stage that is one compiled region calls the region's node itself; on
+CUDA the engine's hand-over to its device thread costs more host time than
+the rest of B. Where the engine would do anything Python can see (a hook, a
+retained gradient, anomaly mode, symbolic sizes that make a forward argument
+no tensor), B goes through the engine as before. Either way, what a user
+observes is ordinary backward's: checked here against ordinary backward on an
+identical copy, and bitwise against the engine path on another.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxsplit
+from stage_check import new_regions
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+def _compiled(model: nn.Module, **kw: Any) -> Any:
+    return torch.compile(model, backend=fxsplit.backend(fallback="error"), **kw)
+
+
+def _region_of(fn: Any, x: torch.Tensor) -> Any:
+    """The region ``fn`` compiles (on its first call, here a forward only)."""
+    before = fxsplit.compiled_regions()
+    fn(x.detach().requires_grad_())
+    (region,) = new_regions(before)
+    return region
+
+
+def _split_step(model: nn.Module, fn: Any, x: torch.Tensor, g: torch.Tensor,
+                before_b: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    params = list(model.parameters())
+    xi = x.detach().requires_grad_()
+    out = fn(xi)
+    if before_b is not None:
+        before_b(out, xi)
+    (dx,), work = fxsplit.stage_backward_input([out], [g], [xi], params)
+    fxsplit.stage_backward_weight(params, work)
+    return dx
+
+
+def _ordinary_step(model: nn.Module, fn: Any, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    xi = x.detach().requires_grad_()
+    fn(xi).backward(g)
+    return xi.grad
+
+
+def _assert_same(a: nn.Module, b: nn.Module, bitwise: bool = False) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        if bitwise:
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def _stage(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = Mlp()
+    x = torch.randn(4, 8)
+    return model, x, torch.randn(4, 8)
+
+
+def test_b_calls_the_region_itself_and_matches_ordinary_backward_and_the_engine_path() -> None:
+    model, x, g = _stage()
+    ordinary, engine = copy.deepcopy(model), copy.deepcopy(model)
+    fn = _compiled(model)
+    region = _region_of(fn, x)
+    ref_fn, engine_fn = _compiled(ordinary), _compiled(engine)
+    for step in range(3):  # .grad accumulates across the steps, in every copy
+        dx = _split_step(model, fn, x + step, g)
+        ref_dx = _ordinary_step(ordinary, ref_fn, x + step, g)
+        with fxsplit.config.patch(direct_b=False):
+            engine_dx = _split_step(engine, engine_fn, x + step, g)
+        torch.testing.assert_close(dx, ref_dx)
+        assert torch.equal(dx, engine_dx)
+        _assert_same(model, ordinary)
+        _assert_same(model, engine, bitwise=True)
+    assert region.direct_b_runs == 3 and region.stats["di_runs"] == 3
+
+
+def test_b_frees_the_saved_activations_as_the_engine_does() -> None:
+    model, x, g = _stage()
+    fn = _compiled(model)
+    params = list(model.parameters())
+    xi = x.detach().requires_grad_()
+    out = fn(xi)
+    keep = out.view_as(out)  # a view keeps the graph reachable after B detaches the output
+    _, work = fxsplit.stage_backward_input([out], [g], [xi], params)
+    with pytest.raises(RuntimeError, match="second time"):
+        keep.backward(g)
+    fxsplit.stage_backward_weight(params, work)
+
+
+def _output_hook(out: torch.Tensor, x: torch.Tensor, seen: list[str]) -> None:
+    out.register_hook(lambda grad: seen.append("output"))
+
+
+def _output_retain_grad(out: torch.Tensor, x: torch.Tensor, seen: list[str]) -> None:
+    out.retain_grad()
+
+
+def _input_hook(out: torch.Tensor, x: torch.Tensor, seen: list[str]) -> None:
+    x.register_hook(lambda grad: seen.append("input"))
+
+
+@pytest.mark.parametrize("observe", [_output_hook, _output_retain_grad, _input_hook],
+                         ids=["output_hook", "output_retain_grad", "input_hook"])
+def test_b_goes_through_the_engine_where_it_would_run_a_hook(observe: Callable[..., None]) -> None:
+    model, x, g = _stage()
+    ordinary = copy.deepcopy(model)
+    fn = _compiled(model)
+    region = _region_of(fn, x)
+    ref_fn = _compiled(ordinary)
+    seen: list[str] = []
+    ref_seen: list[str] = []
+    kept: dict[str, torch.Tensor] = {}
+
+    def before_b(out: torch.Tensor, xi: torch.Tensor) -> None:
+        observe(out, xi, seen)
+        kept["out"] = out
+
+    dx = _split_step(model, fn, x, g, before_b)
+    xi = x.detach().requires_grad_()
+    out = ref_fn(xi)
+    observe(out, xi, ref_seen)
+    out.backward(g)
+    torch.testing.assert_close(dx, xi.grad)
+    _assert_same(model, ordinary)
+    assert seen == ref_seen
+    if observe is _output_retain_grad:
+        torch.testing.assert_close(kept["out"].grad, out.grad)
+    assert region.direct_b_runs == 0 and region.stats["di_runs"] == 1
+
+
+def test_b_goes_through_the_engine_in_anomaly_mode_and_when_turned_off() -> None:
+    model, x, g = _stage()
+    fn = _compiled(model)
+    region = _region_of(fn, x)
+    with torch.autograd.detect_anomaly(check_nan=False):
+        _split_step(model, fn, x, g)
+    with fxsplit.config.patch(direct_b=False):
+        _split_step(model, fn, x, g)
+    assert region.direct_b_runs == 0 and region.stats["di_runs"] == 2
+    _split_step(model, fn, x, g)
+    assert region.direct_b_runs == 1
+
+
+def test_symbolic_sizes_go_through_the_engine() -> None:
+    """A region with symbolic sizes takes them as forward arguments that are
+    no tensors: its node's results do not line up with its edges."""
+    model, x, g = _stage()
+    ordinary = copy.deepcopy(model)
+    before = fxsplit.compiled_regions()
+    fn = _compiled(model, dynamic=True)
+    ref_fn = _compiled(ordinary, dynamic=True)
+    for n in (4, 6):
+        xs, gs = torch.randn(n, 8), torch.randn(n, 8)
+        torch.testing.assert_close(_split_step(model, fn, xs, gs), _ordinary_step(ordinary, ref_fn, xs, gs))
+    _assert_same(model, ordinary)
+    regions = [r for r in new_regions(before) if r.stats["di_runs"]]
+    assert regions and all(r.direct_b_runs == 0 for r in regions)
+
+
+def test_a_bad_direct_b_value_is_refused_by_name() -> None:
+    model, x, g = _stage()
+    fn = _compiled(model)
+    with pytest.raises(ValueError, match="direct_b"):
+        with fxsplit.config.patch(direct_b="yes"):
+            pass
+    fxsplit.config.direct_b = "yes"  # type: ignore[assignment]
+    try:
+        with pytest.raises(ValueError, match="direct_b"):
+            _split_step(model, fn, x, g)
+    finally:
+        fxsplit.config.direct_b = True
+    assert all(p.grad is None for p in model.parameters()), "a refused B must leave .grad untouched"
