@@ -17,6 +17,7 @@ between releases handled here are feature-detected:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -468,8 +469,12 @@ def run_node_outside_engine(node: Any, grads: dict[int, torch.Tensor]) -> Any:
     for k, meta in enumerate(node._input_metadata):
         g = grads.get(k)
         args.append(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device))
-    with torch.no_grad():
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # what torch.no_grad() does, without its Python frames
+    try:
         return node.apply(*args)
+    finally:
+        torch._C._set_grad_enabled(enabled)
 
 
 def compiled_backward_of(node: Any) -> Any:
@@ -951,10 +956,6 @@ def _raw_saved_names(node: Any) -> tuple[str, ...]:
     return names
 
 
-def _drop_saved(_tensor: torch.Tensor) -> None:
-    return None
-
-
 def _saved_was_freed(_packed: Any) -> torch.Tensor:
     raise RuntimeError(
         "Trying to backward through the graph a second time (or directly access saved tensors after they "
@@ -978,7 +979,7 @@ def release_saved_tensors(node: Any) -> int:
     ``saved_tensors_hooks``, "Hooks for saved tensors" in the autograd
     mechanics notes: ``grad_fn._raw_saved_<name>.register_hooks(pack, unpack)``;
     ``ctx._raw_saved_tensors`` for custom Functions and AOTAutograd's
-    compiled regions). The pack hook keeps nothing, and the unpack hook
+    compiled regions). The pack hook keeps nothing (``id``), and the unpack hook
     raises the engine's "backward through the graph a second time" error,
     so a later backward through the node fails as it would after ordinary
     backward. Saved tensors that are ``None``, already freed, or already
@@ -991,15 +992,25 @@ def release_saved_tensors(node: Any) -> int:
             saved = getattr(node, name)
         except RuntimeError:  # the node's buffers were freed already
             continue
-        for item in saved if isinstance(saved, (list, tuple)) else (saved,):
-            if item is None:
-                continue
+        items = list(filter(_IS_SAVED, saved if isinstance(saved, (list, tuple)) else (saved,)))
+        try:  # all at once, C-level (a compiled region saves dozens; B may release one per microbatch)
+            collections.deque(map(_RELEASE, items), maxlen=0)
+            released += len(items)
+            continue
+        except RuntimeError:
+            pass  # one of them was freed already or has hooks: one by one (those released stay so)
+        for item in items:
             try:
-                item.register_hooks(_drop_saved, _saved_was_freed)
+                _RELEASE(item)
             except RuntimeError:
-                continue  # None, already freed, or hooks already set: nothing we may release
+                continue  # already freed or released, or hooks already set: nothing we may release
             released += 1
     return released
+
+
+# The pack hook runs at once, on each tensor: ``id`` keeps nothing of it, in C.
+_RELEASE = operator.methodcaller("register_hooks", id, _saved_was_freed)
+_IS_SAVED = functools.partial(operator.is_not, None)
 
 
 class _DetachedAlias:
