@@ -277,7 +277,7 @@ def stage_backward_input(
     """
     t0 = time.perf_counter_ns()
     _refuse_create_graph(create_graph)
-    if config.direct_b is not True and config.direct_b is not False:
+    if config.direct_b is not True and config.direct_b is not False and config.direct_b != "auto":
         config.current("direct_b")  # raises ValueError, naming the option, before any work
     weights = _weights_list(weights)
     outs, grads_raw = _flatten_outputs(stage_outputs_or_loss, output_grads)
@@ -405,14 +405,18 @@ def _direct_call(
 ) -> tuple[Any, dict[int, torch.Tensor], list[int]] | None:
     """``(node, gradients by output, edge of each target)`` where B may call the
     stage's one region node itself instead of the engine
-    (:data:`fxsplit.config.direct_b`), else ``None``: every forward argument
+    (:data:`fxsplit.config.direct_b`: by default not for CPU tensors), else ``None``: every forward argument
     of the region a tensor (the node's results are then its edges'); every
     output the node's, each once; each target entering the node by one edge
     of its own; no
     tensor hook or ``retain_grad`` on any of them (the engine would run them);
     anomaly mode off; on CUDA, the current stream the default one."""
-    if config.direct_b is not True or len(plan.split_regions) != 1 or torch.is_anomaly_enabled():
+    flag = config.direct_b
+    if flag is False or len(plan.split_regions) != 1 or torch.is_anomaly_enabled():
         return None
+    device = outs[0].device
+    if device.type == "cpu" and flag is not True:
+        return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
     entries = plan.input_edges.get(node)  # (compiled-only plans have them)
     if entries is None or len(node.needs_input_grad) != len(plan.region_children[node]):
@@ -431,7 +435,6 @@ def _direct_call(
         if k < 0:
             return None
         edges.append(k)
-    device = outs[0].device
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None
     return node, by_output, edges

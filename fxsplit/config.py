@@ -28,18 +28,21 @@
   ``FXSPLIT_FUSED_ACCUMULATION=0`` turns it off. Default ``True``.
 * ``direct_b``: B of a stage that is one compiled region (its outputs that
   region's, its inputs entering it directly) calls the region's backward
-  itself instead of through autograd's engine, which on CUDA hands every
+  itself instead of through autograd's engine, which on a GPU hands every
   backward to a device thread and back: on an H200 that hand-over cost more
   host time than the rest of B (docs/benchmark.md). Taken only where nothing
   the engine would do differs that Python can see: no tensor hooks or
-  ``retain_grad`` on the outputs or inputs, anomaly mode off, the current
-  stream the device's default stream, gradients of the inputs' metadata.
-  What Python cannot see: hooks registered on the region's own autograd node
+  ``retain_grad`` on the outputs or inputs, anomaly mode off, no symbolic
+  sizes, on CUDA the current stream the device's default stream. What Python
+  cannot see: hooks registered on the region's own autograd node
   (``out.grad_fn.register_hook``/``register_prehook``) do not run at B, and
   the forward must have run on the stream B runs on, or been synchronized
-  with it (upstream's pipeline stage runs both on the current stream). Turn it
-  off where either does not hold. Read when B runs; ``FXSPLIT_DIRECT_B=0``
-  turns it off. Default ``True``.
+  with it (upstream's pipeline stage runs both on the current stream).
+  ``"auto"`` (the default): for tensors on any device but the CPU, where the
+  engine runs in the calling thread and calling the region saves nothing
+  (freeing its saved tensors from Python costs a little more there);
+  ``True``: on every device; ``False``: never. Read when B runs;
+  ``FXSPLIT_DIRECT_B`` (``auto``, ``1``, ``0``) sets it.
 
 ``fallback``, ``defer`` and ``lazy_compile`` are read when a region compiles, so a change
 applies to regions compiled afterwards::
@@ -76,14 +79,17 @@ fallback: str = os.environ.get("FXSPLIT_FALLBACK", "eager")
 defer: str = os.environ.get("FXSPLIT_DEFER", "matmuls")
 lazy_compile: bool = _env_flag("FXSPLIT_LAZY_COMPILE", True)
 fused_accumulation: bool = _env_flag("FXSPLIT_FUSED_ACCUMULATION", True)
-direct_b: bool = _env_flag("FXSPLIT_DIRECT_B", True)
+direct_b: bool | str = (
+    "auto" if os.environ.get("FXSPLIT_DIRECT_B", "auto").strip().lower() == "auto"
+    else _env_flag("FXSPLIT_DIRECT_B", True)
+)
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "fallback": FALLBACKS,
     "defer": DEFERS,
     "lazy_compile": (True, False),
     "fused_accumulation": (True, False),
-    "direct_b": (True, False),
+    "direct_b": ("auto", True, False),
 }
 
 

@@ -369,6 +369,35 @@ def test_reduce_overhead_hands_out_weight_gradients_and_never_overwrites_one_hel
     print(described)
 
 
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce_overhead"])
+def test_direct_b_is_taken_on_cuda_and_bitwise_the_engine_path(mode: str | None) -> None:
+    """``fxsplit.config.direct_b``'s default on CUDA: B calls a one-region
+    stage's node itself (not autograd's engine); input and weight gradients
+    bitwise those of B through the engine on an identical copy, two
+    microbatches in flight over two steps, with and without CUDA graphs."""
+    stage = _small(torch.bfloat16)
+    direct, engine = stage.module, copy.deepcopy(stage.module)
+    before = fxsplit.compiled_regions()
+    kw = {"mode": mode} if mode else {}
+    fn = torch.compile(direct, backend="fxsplit", **kw)
+    engine_fn = torch.compile(engine, backend="fxsplit", **kw)
+    for step in range(2):
+        for p in (*direct.parameters(), *engine.parameters()):
+            p.grad = None
+        xs = [stage.make_input().requires_grad_() for _ in range(2)]
+        gs = [torch.randn_like(x) for x in xs]
+        got = _run_split(direct, fn, xs, gs)
+        with fxsplit.config.patch(direct_b=False):
+            want = _run_split(engine, engine_fn, xs, gs)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"step {step}: an input gradient differs"
+        for (name, p), q in zip(direct.named_parameters(), engine.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name} differs"
+    regions = new_regions(before)
+    runs = sorted(r.direct_b_runs for r in regions)
+    assert runs == [0] * (len(regions) - 1) + [4], [(r.name, r.direct_b_runs, r.stats) for r in regions]
+
+
 def _assert_unchanged(kept: dict[str, torch.Tensor], values: dict[str, torch.Tensor], step: int) -> None:
     for name, v in kept.items():
         assert torch.equal(v, values[name]), f"step {step}: a replay overwrote the kept gradient of {name}"

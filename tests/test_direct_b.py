@@ -6,7 +6,10 @@ the rest of B. Where the engine would do anything Python can see (a hook, a
 retained gradient, anomaly mode, symbolic sizes that make a forward argument
 no tensor), B goes through the engine as before. Either way, what a user
 observes is ordinary backward's: checked here against ordinary backward on an
-identical copy, and bitwise against the engine path on another.
+identical copy, and bitwise against the engine path on another. By default
+(``"auto"``) CPU tensors keep the engine, which runs in the calling thread
+there; these tests turn the direct call on for every device (``True``), so
+that it runs here as it does on a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ import torch.nn as nn
 
 import fxsplit
 from stage_check import new_regions
+
+
+@pytest.fixture(autouse=True)
+def _direct_everywhere() -> Any:
+    with fxsplit.config.patch(direct_b=True):
+        yield
 
 
 class Mlp(nn.Module):
@@ -191,5 +200,14 @@ def test_a_bad_direct_b_value_is_refused_by_name() -> None:
         with pytest.raises(ValueError, match="direct_b"):
             _split_step(model, fn, x, g)
     finally:
-        fxsplit.config.direct_b = True
+        fxsplit.config.direct_b = True  # (the fixture restores the default)
     assert all(p.grad is None for p in model.parameters()), "a refused B must leave .grad untouched"
+
+
+def test_auto_keeps_the_engine_for_cpu_tensors() -> None:
+    model, x, g = _stage()
+    fn = _compiled(model)
+    region = _region_of(fn, x)
+    with fxsplit.config.patch(direct_b="auto"):
+        _split_step(model, fn, x, g)
+    assert region.direct_b_runs == 0 and region.stats["di_runs"] == 1
