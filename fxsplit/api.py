@@ -405,12 +405,12 @@ def _direct_call(
 ) -> tuple[Any, dict[int, torch.Tensor], list[int]] | None:
     """``(node, gradients by output, edge of each target)`` where B may call the
     stage's one region node itself instead of the engine
-    (:data:`fxsplit.config.direct_b`: by default not for CPU tensors), else ``None``: every forward argument
-    of the region a tensor (the node's results are then its edges'); every
-    output the node's, each once; each target entering the node by one edge
-    of its own; no
-    tensor hook or ``retain_grad`` on any of them (the engine would run them);
-    anomaly mode off; on CUDA, the current stream the default one."""
+    (:data:`fxsplit.config.direct_b`; by default not for CPU tensors), else
+    ``None``: every forward argument of the region a tensor (the node's
+    results are then its edges'); every output the node's, each once; each
+    target entering the node by one edge of its own; no tensor hook or
+    ``retain_grad`` on any of them (the engine would run them); anomaly mode
+    off; on CUDA, the current stream the default one."""
     flag = config.direct_b
     if flag is False or len(plan.split_regions) != 1 or torch.is_anomaly_enabled():
         return None
@@ -448,6 +448,8 @@ def _run_direct(
     conformed to the target's metadata as the engine's ``validate_outputs``
     does (summed to its shape where it broadcasts, cast to its dtype)."""
     results = run_directly(node, grads)
+    if not isinstance(results, (tuple, list)):
+        results = (results,)
     out: list[torch.Tensor | None] = []
     for k, x in zip(edges, targets):
         g = results[k]
