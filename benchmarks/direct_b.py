@@ -13,6 +13,7 @@ bitwise the same gradients.
 
     python -m benchmarks.direct_b --device cuda                 # GPT width 256, 4 x 128, bf16
     python -m benchmarks.direct_b --device cpu --config tiny --reps 20
+    python -m benchmarks.direct_b --device cpu --compiler eager --reps 2   # a quick check that it runs
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--config", default=None, help="default: gpt-w256-4x128 on CUDA, tiny on CPU")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
+                   help="the graphs' compiler (eager: FX graphs run as they are, against aot_eager; a quick check)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.reps < 1:
@@ -60,8 +63,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         g = torch.randn_like(base(x))
     modes = ("inductor", "inductor-ro", "fxsplit", "fxsplit-ro")
     mods = {m: copy.deepcopy(base) for m in modes}
+    backends = {"inductor": "inductor", "fxsplit": "fxsplit"} if args.compiler == "inductor" else {
+        "inductor": "aot_eager", "fxsplit": fxsplit.backend(compiler="eager")}
     fns = {
-        m: torch.compile(mods[m], backend=m.split("-")[0], **({"mode": "reduce-overhead"} if m.endswith("-ro") else {}))
+        m: torch.compile(mods[m], backend=backends[m.split("-")[0]],
+                         **({"mode": "reduce-overhead"} if m.endswith("-ro") else {}))
         for m in modes
     }
 

@@ -398,6 +398,20 @@ def test_direct_b_is_taken_on_cuda_and_bitwise_the_engine_path(mode: str | None)
     assert runs == [0] * (len(regions) - 1) + [4], [(r.name, r.direct_b_runs, r.stats) for r in regions]
 
 
+def test_cuda_kernels_sees_the_kernels_of_both_backwards(capsys: pytest.CaptureFixture[str]) -> None:
+    """``benchmarks/cuda_kernels.py`` (the profile docs/benchmark.md quotes) finds
+    GPU kernels in Inductor's fused backward and in fxsplit's B + W."""
+    import re
+
+    from benchmarks import cuda_kernels
+
+    cuda_kernels.main(["tiny", "1"])
+    out = capsys.readouterr().out
+    found = re.findall(r"== (inductor|fxsplit): [\d.]+ us of kernels per backward, (\d+) launches", out)
+    launches = {m: int(n) for m, n in found}
+    assert set(launches) == {"inductor", "fxsplit"} and all(launches.values()), out[-2000:]
+
+
 def _assert_unchanged(kept: dict[str, torch.Tensor], values: dict[str, torch.Tensor], step: int) -> None:
     for name, v in kept.items():
         assert torch.equal(v, values[name]), f"step {step}: a replay overwrote the kept gradient of {name}"
