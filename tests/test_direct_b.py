@@ -24,23 +24,13 @@ import torch.nn as nn
 
 import fxsplit
 from stage_check import new_regions
+from zoo import GeluResidual
 
 
 @pytest.fixture(autouse=True)
 def _direct_everywhere() -> Any:
     with fxsplit.config.patch(direct_b=True):
         yield
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int = 8) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
 
 
 def _compiled(model: nn.Module, compiler: str = "eager", **kw: Any) -> Any:
@@ -85,7 +75,7 @@ def _assert_same(a: nn.Module, b: nn.Module, bitwise: bool = False) -> None:
 
 def _stage(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    model = Mlp()
+    model = GeluResidual()
     x = torch.randn(4, 8)
     return model, x, torch.randn(4, 8)
 
