@@ -82,7 +82,7 @@ def _stage(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def test_b_calls_the_region_itself_and_matches_ordinary_backward_and_the_engine_path() -> None:
     model, x, g = _stage()
-    ordinary, engine = copy.deepcopy(model), copy.deepcopy(model)
+    ordinary, engine, eager = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     fn = _compiled(model, "inductor")
     region = _region_of(fn, x)
     ref_fn, engine_fn = _compiled(ordinary, "inductor"), _compiled(engine, "inductor")
@@ -91,9 +91,12 @@ def test_b_calls_the_region_itself_and_matches_ordinary_backward_and_the_engine_
         ref_dx = _ordinary_step(ordinary, ref_fn, x + step, g)
         with fxsplit.config.patch(direct_b=False):
             engine_dx = _split_step(engine, engine_fn, x + step, g)
+        eager_dx = _ordinary_step(eager, eager, x + step, g)  # uncompiled
         torch.testing.assert_close(dx, ref_dx)
+        torch.testing.assert_close(dx, eager_dx)
         assert torch.equal(dx, engine_dx)
         _assert_same(model, ordinary)
+        _assert_same(model, eager)
         _assert_same(model, engine, bitwise=True)
     assert region.direct_b_runs == 3 and region.stats["di_runs"] == 3
 
