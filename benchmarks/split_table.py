@@ -137,7 +137,9 @@ def measure(name: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtyp
         g = torch.randn_like(base(x))
     samples: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     errors: dict[str, Any] = {}
+    direct: dict[str, dict[str, int]] = {}
     for pair in (("inductor", "fxsplit"), ("inductor-ro", "fxsplit-ro")):
+        before = set(fxsplit.compiled_regions())
         try:
             t0 = time.perf_counter()
             for _ in range(warmup):  # compiles, CUDA graph captures
@@ -162,7 +164,12 @@ def measure(name: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtyp
             errors[pair[1]] = f"{type(e).__name__}: {e}"
             for mode in pair:
                 samples[mode] = []
-    row: dict[str, Any] = {"config": cfg.as_dict(), "relative_grad_error_vs_inductor_twin": errors}
+        # How B ran: the region node called directly (fxsplit.config.direct_b) or through the engine.
+        regions = [r for r in fxsplit.compiled_regions() if r not in before]
+        direct[pair[1]] = {"regions": len(regions), "b_runs": sum(r.stats["di_runs"] for r in regions),
+                           "direct_b_runs": sum(r.direct_b_runs for r in regions)}
+    row: dict[str, Any] = {"config": cfg.as_dict(), "relative_grad_error_vs_inductor_twin": errors,
+                           "direct_b": direct}
     for mode in MODES:
         row[mode] = {k: _spread([s[k] for s in samples[mode]]) for k in samples[mode][0]} if samples[mode] else None
 
@@ -186,7 +193,8 @@ def measure(name: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtyp
         f"{rat('fxsplit_B+W_over_inductor'):.3f} | reduce-overhead: inductor "
         f"{med('inductor-ro'):.3f} fxsplit {med('fxsplit-ro'):.3f} ratio "
         f"{rat('fxsplit-ro_B+W_over_inductor-ro'):.3f} | host ms inductor "
-        f"{med('inductor', 'host_ms'):.3f} fxsplit {med('fxsplit', 'host_ms'):.3f} | grad err {errors}")
+        f"{med('inductor', 'host_ms'):.3f} fxsplit {med('fxsplit', 'host_ms'):.3f} | grad err {errors} | "
+        f"direct B {direct}")
     del mods
     return row
 
