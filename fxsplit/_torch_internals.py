@@ -631,6 +631,17 @@ class StorageUse:
         when it was watched."""
         return torch._C._storage_Use_Count(self._ref.cdata) > self._base
 
+    @staticmethod
+    def any_gained(uses: Sequence[StorageUse]) -> Callable[[], bool]:
+        """A check, built once, of whether any of ``uses`` gained holders:
+        ``any(u.gained_holders() for u in uses)`` in one C-level pass (no
+        Python frame per storage). The caller keeps ``uses`` alive."""
+        cdatas = [u._ref.cdata for u in uses]
+        bases = [u._base for u in uses]
+        count = torch._C._storage_Use_Count
+        gt = operator.gt
+        return lambda: any(map(gt, map(count, cdatas), bases))
+
 
 @functools.cache
 def _tensor_guards_class() -> Any:

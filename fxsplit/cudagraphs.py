@@ -259,11 +259,11 @@ class _Graph:
     passed-through live-ins itself, inside the capture: see
     :meth:`RegionCapture.run_dw`). With ``watch``, each of the graph's own
     storages is watched from capture on (:class:`StorageUse`, the static
-    outputs being its only holders then), and :meth:`in_use` says, before the
+    outputs being its only holders then), and ``in_use()`` says, before the
     graph replays again, whether one handed out is still held: the replay
     would overwrite it. ``storages``: the data pointers of those storages."""
 
-    __slots__ = ("handle", "outs", "storages", "_how", "_checked")
+    __slots__ = ("handle", "outs", "storages", "_how", "_uses", "in_use", "_all_alias")
 
     def __init__(self, handle: Any, outs: list[Any], inputs: Sequence[Any] = (), watch: bool = True) -> None:
         self.handle = handle
@@ -280,17 +280,19 @@ class _Graph:
             else:
                 how.append(copy_exactly if isinstance(o, torch.Tensor) else None)
         self._how = how
+        self._all_alias = all(h is _ALIAS for h in how)
         self.storages = frozenset(own)
-        self._checked = [u for u in own.values() if u is not None]
-
-    def in_use(self) -> bool:
-        """Whether an output handed out by an earlier replay is still held by
-        anyone (a ``.grad``, a view of one, a reference kept across steps)."""
-        return any(map(_GAINED, self._checked))
+        self._uses = [u for u in own.values() if u is not None]
+        # in_use(): whether an output handed out by an earlier replay is still
+        # held by anyone (a ``.grad``, a view of one, a reference kept across
+        # steps). Built once: W asks before every replay.
+        self.in_use = ti.StorageUse.any_gained(self._uses)
 
     def hand_out(self) -> list[Any]:
         """The outputs of the replay just made: aliases of the static buffers
         where this graph owns them, copies of the others."""
+        if self._all_alias:  # (the common case: one C-level pass)
+            return list(map(_ALIAS, self.outs))
         return [o if how is None else how(o) for o, how in zip(self.outs, self._how)]
 
 
@@ -367,7 +369,6 @@ def _clone_out(values: Sequence[Any]) -> list[Any]:
 
 
 _ALIAS = torch.Tensor.detach  # a tensor of its own over the same storage: one more holder
-_GAINED = ti.StorageUse.gained_holders
 
 
 class RegionCapture:

@@ -430,3 +430,23 @@ def test_storage_use_counts_every_tensor_that_views_a_storage() -> None:
     assert use.gained_holders()
     del held
     assert not use.gained_holders()
+
+
+def test_the_batched_check_sees_a_holder_of_any_storage_it_watches() -> None:
+    """``StorageUse.any_gained`` (what a captured graph asks before each replay)
+    answers as ``any(u.gained_holders() ...)`` over every watched storage, the
+    last one included, from the watch on; an empty watch never sees one."""
+    ts = [torch.randn(3) for _ in range(3)]
+    uses = [ti.StorageUse(t) for t in ts]
+    check = ti.StorageUse.any_gained(uses)
+    assert not check()
+    for t in ts:
+        held = t[1:]
+        assert check() and check() == any(u.gained_holders() for u in uses)
+        del held
+        assert not check()
+    alias = ts[-1].detach()
+    assert check()
+    del alias
+    assert not check()
+    assert not ti.StorageUse.any_gained([])()
