@@ -208,6 +208,7 @@ class EagerWeightPlan:
         region_children: dict[Node, list[Node | None]],
         weights_distinct: bool,
         input_edges: dict[Node, dict[Any, int]],
+        unreached: int = 0,
     ) -> EagerWeightPlan:
         """The plan of a stage of split regions only (:func:`compiled_only_plan`):
         nothing for eager autograd in W. Built without the dataclass's
@@ -221,6 +222,8 @@ class EagerWeightPlan:
         plan.region_children = region_children
         plan.weights_distinct = weights_distinct
         plan.input_edges = input_edges
+        if unreached:
+            plan.unreached = unreached
         return plan
 
     @property
@@ -393,7 +396,9 @@ def compiled_only_plan(
     ``input_leaves``: stage inputs that are leaves, known by their grad
     accumulator's variable (finding the accumulator itself costs a view op).
     One walk over those nodes decides it, instead of the per-weight walks of
-    the general plan (the same result, without its cost on every B).
+    the general plan (the same result, without its cost on every B). Given
+    weights that no region reaches are counted in ``unreached``, as the
+    general plan counts them; W leaves them as ordinary backward does.
     """
     if not input_nodes and not input_leaves:
         return None
@@ -458,11 +463,16 @@ def compiled_only_plan(
         input_edges[node] = entries
         queue.extend(c for c in below if c not in inputs and c not in regions)
     distinct = len(given) == len(weights)
+    unreached = 0
     if found != given:
         given = set(map(id, itertools.compress(weights, map(_requires_grad, weights))))
         distinct = False
-    if not regions or found != given:
-        return None  # a given weight the outputs do not use: the general plan checks the weights
+        # Given weights that require grad and that no region reaches (a stage's
+        # unused parameter, such as a middle stage's token embedding): W leaves
+        # them as ordinary backward does. Every weight found is among them.
+        unreached = len(given) - len(found)
+    if not regions:
+        return None
     # Every region must lead to a stage input (else its whole backward is W work).
     if len(regions) == 1:
         (below,) = regions.values()
@@ -480,7 +490,7 @@ def compiled_only_plan(
         if len(reaches) != len(regions):
             return None
     return EagerWeightPlan.compiled_only(
-        list(regions), len(output_edges), region_params, region_children, distinct, input_edges
+        list(regions), len(output_edges), region_params, region_children, distinct, input_edges, unreached
     )
 
 

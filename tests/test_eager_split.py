@@ -467,3 +467,63 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         assert compiled_only_plan([GradientEdge(out_alone.grad_fn, 0)], [], params, [other]) is None
         _, work = fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], params)
         fxsplit.stage_backward_weight(params, work)
+
+
+class _WithUnused(nn.Module):
+    """A stage with a parameter its forward never uses (as a middle stage
+    built from a whole model holds the token embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 4))
+        self.unused = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan() -> None:
+    """A given weight no output depends on: B still plans the stage as compiled
+    regions only (one walk; before, the general plan's per-weight walks, some
+    3.6x B's lines of Python on the tiny bench stage, and no direct call),
+    counting the weight as unreached. After W every gradient is ordinary
+    backward's and eager autograd's, and the unused weight's ``.grad`` and
+    hooks are untouched, as after ordinary backward."""
+    import copy
+
+    from torch.autograd.graph import GradientEdge
+
+    from fxsplit.fallback import compiled_only_plan
+
+    torch.manual_seed(0)
+    model = _WithUnused()
+    ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    fn, ordinary_fn = torch.compile(model, backend=backend), torch.compile(ordinary, backend=backend)
+    params = list(model.parameters())
+    x = torch.randn(3, 6, requires_grad=True)
+    before = fxsplit.compiled_regions()
+    out = fn(x)
+    plan = compiled_only_plan([GradientEdge(out.grad_fn, 0)], [], params, [x])
+    assert plan is not None and plan.unreached == 1 and not plan.weights_distinct
+    fired: list[str] = []
+    for m in (model, ordinary, eager):
+        m.unused.grad = torch.ones(3)
+        m.unused.register_hook(lambda g: fired.append("unused"))
+    with fxsplit.config.patch(direct_b=True):
+        for step in range(2):
+            g = torch.randn(3, 4)
+            x = torch.randn(3, 6)
+            xs = [x.clone().requires_grad_() for _ in range(3)]
+            (dx,), work = fxsplit.stage_backward_input([fn(xs[0])], [g], [xs[0]], params)
+            assert work.explain().endswith("1 with no gradient from these outputs")
+            fxsplit.stage_backward_weight(params, work)
+            ordinary_fn(xs[1]).backward(g)
+            eager(xs[2]).backward(g)
+            torch.testing.assert_close(dx, xs[1].grad)
+            torch.testing.assert_close(dx, xs[2].grad)
+            for (name, p), q, r in zip(model.named_parameters(), ordinary.parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+                torch.testing.assert_close(p.grad, r.grad, msg=name)
+    assert torch.equal(model.unused.grad, torch.ones(3)) and not fired
+    assert sum(r.direct_b_runs for r in fxsplit.compiled_regions() if r not in before) == 2
