@@ -650,24 +650,28 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self.groups = groups
         # The common case, which W decides without its general steps
         # (_compute_one): one compiled region and no eager code, the region's
-        # weights exactly B's, all distinct (``weights_distinct``: B's plan
+        # weights B's (all of them, or all but some no region reaches: an
+        # unused parameter), all distinct (``weights_distinct``: B's plan
         # found them so; else counted here), in B's order or another: the
         # region's order is the forward's order of use (Dynamo's), which a
         # model's parameters() need not follow (Hugging Face decoder layers
         # register their norms after the blocks that use them). ``_order``:
         # the position in ``weights`` of each of the region's weights, where
-        # the orders differ (``None`` where they agree).
+        # the orders differ or some of B's are not the region's (``None``
+        # where they are the same list).
         one = compiled[0] if len(compiled) == 1 and not groups else None
         n = len(self._weights)
         self._single: CompiledWeightWork | None = None
         self._order: tuple[int, ...] | None = None
-        if one is not None and len(one.params) == n and (weights_distinct or len(set(map(id, self._weights))) == n):
-            if all(map(operator.is_, one.params, self._weights)):
+        if one is not None and len(one.params) <= n and (
+            weights_distinct or len(set(map(id, self._weights))) == n
+        ):
+            if len(one.params) == n and all(map(operator.is_, one.params, self._weights)):
                 self._single = one
             else:
                 position = dict(zip(map(id, self._weights), itertools.count()))
                 order = tuple(map(position.get, map(id, one.params)))
-                if None not in order and len(set(order)) == n:  # a permutation of B's weights
+                if None not in order and len(set(order)) == len(order):  # B's weights, or some of them, in any order
                     self._single, self._order = one, order  # type: ignore[assignment]
         # Regions B ran dI for: W's eager calls may pass through them and must
         # not run them again. Weak: W only needs the ones its graph still holds.
@@ -1012,7 +1016,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             mine = self._weights
             # The order W computed them in: the single region's (see _order), else B's.
             order = self._order if self._order is not None else range(len(mine))
-            if len(weights) == len(mine) and all(map(operator.is_, weights, map(mine.__getitem__, order))) and all(
+            if len(weights) == len(order) and all(map(operator.is_, weights, map(mine.__getitem__, order))) and all(
                 map(operator.is_, map(_grad_of, weights), grads)
             ):  # all of them, in that order (the common case)
                 self._committed.update(map(id, weights))
@@ -1028,7 +1032,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self, fused_accumulation: bool | None
     ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """What :meth:`_compute` returns, in the common case, without its
-        general steps: one region whose weights are exactly B's, in any order (``_single``),
+        general steps: one region whose weights are B's, in any order, but for
+        any that no region reaches (``_single``),
         nothing committed yet, every weight requiring a gradient and every
         ``.grad`` empty (so nothing accumulates inside the graph, step 0): run
         the dW graph and decide every commit in one pass (:meth:`_direct_one`,

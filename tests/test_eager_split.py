@@ -482,13 +482,15 @@ class _WithUnused(nn.Module):
         return self.body(x)
 
 
-def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan() -> None:
+@pytest.mark.parametrize("unused_grad", [None, 1.0], ids=["empty_grad", "set_grad"])
+def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(unused_grad: float | None) -> None:
     """A given weight no output depends on: B still plans the stage as compiled
     regions only (one walk; before, the general plan's per-weight walks, some
     3.6x B's lines of Python on the tiny bench stage, and no direct call),
-    counting the weight as unreached. After W every gradient is ordinary
-    backward's and eager autograd's, and the unused weight's ``.grad`` and
-    hooks are untouched, as after ordinary backward."""
+    counting the weight as unreached, and W takes its one-region path where
+    every ``.grad`` is empty. After W every gradient is ordinary backward's
+    and eager autograd's, and the unused weight's ``.grad`` (empty, or set)
+    and hooks are untouched, as after ordinary backward."""
     import copy
 
     from torch.autograd.graph import GradientEdge
@@ -501,6 +503,7 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan() -> None:
     backend = fxsplit.backend(compiler="eager", fallback="error")
     fn, ordinary_fn = torch.compile(model, backend=backend), torch.compile(ordinary, backend=backend)
     params = list(model.parameters())
+    used = [k for k, p in enumerate(params) if p is not model.unused]  # (a module's own parameters come first)
     x = torch.randn(3, 6, requires_grad=True)
     before = fxsplit.compiled_regions()
     out = fn(x)
@@ -508,22 +511,30 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan() -> None:
     assert plan is not None and plan.unreached == 1 and not plan.weights_distinct
     fired: list[str] = []
     for m in (model, ordinary, eager):
-        m.unused.grad = torch.ones(3)
         m.unused.register_hook(lambda g: fired.append("unused"))
     with fxsplit.config.patch(direct_b=True):
         for step in range(2):
             g = torch.randn(3, 4)
             x = torch.randn(3, 6)
             xs = [x.clone().requires_grad_() for _ in range(3)]
+            for m in (model, ordinary, eager):  # .grad emptied before each step, as optimizers do
+                for p in m.parameters():
+                    p.grad = None if unused_grad is None or p is not m.unused else torch.full((3,), unused_grad)
             (dx,), work = fxsplit.stage_backward_input([fn(xs[0])], [g], [xs[0]], params)
             assert work.explain().endswith("1 with no gradient from these outputs")
+            assert (work._single is not None) and sorted(work._order or ()) == used
             fxsplit.stage_backward_weight(params, work)
             ordinary_fn(xs[1]).backward(g)
             eager(xs[2]).backward(g)
             torch.testing.assert_close(dx, xs[1].grad)
             torch.testing.assert_close(dx, xs[2].grad)
             for (name, p), q, r in zip(model.named_parameters(), ordinary.parameters(), eager.parameters()):
+                if p is model.unused:
+                    assert p.grad is None if unused_grad is None else torch.equal(p.grad, torch.full((3,), unused_grad))
+                    assert q.grad is None if unused_grad is None else torch.equal(q.grad, p.grad)
+                    continue
                 torch.testing.assert_close(p.grad, q.grad, msg=name)
                 torch.testing.assert_close(p.grad, r.grad, msg=name)
-    assert torch.equal(model.unused.grad, torch.ones(3)) and not fired
+            assert work.handed_over and set(work.handed_over) <= set(used)  # (gradients W set as they are)
+    assert not fired
     assert sum(r.direct_b_runs for r in fxsplit.compiled_regions() if r not in before) == 2
