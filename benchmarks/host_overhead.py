@@ -11,6 +11,7 @@ graphs' own ratio. Medians of the per-round ratios, with their quartiles.
     python -m benchmarks.host_overhead                 # width 128, 2 x 64 tokens, 1 thread
     python -m benchmarks.host_overhead --threads 2 --reps 500
     python -m benchmarks.host_overhead --lines         # also: lines of Python each backward runs
+    python -m benchmarks.host_overhead --unused-parameter   # the stage also holds a parameter it never uses
 
 ``--lines`` counts, once after the timed rounds, the lines of Python that an
 ordinary backward, a B and a W execute outside the compiled graphs' own code
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                    help="the graphs' compiler (eager: FX graphs run as they are; for a quick check)")
     p.add_argument("--lines", action="store_true",
                    help="also count the lines of Python run outside the graphs per ordinary backward, B and W")
+    p.add_argument("--unused-parameter", action="store_true",
+                   help="give the stage a parameter its forward never uses (a middle stage's token embedding)")
     args = p.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         p.error("--reps and --threads must be at least 1")
@@ -59,8 +62,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from fxsplit.bench.models import build
 
     stage = build(CONFIGS[args.config])
+    module = copy.deepcopy(stage.module)
+    if args.unused_parameter:
+        module = _WithUnused(module)
     before = fxsplit.compiled_regions()
-    model = torch.compile(copy.deepcopy(stage.module), backend=fxsplit.backend(compiler=args.compiler))
+    model = torch.compile(module, backend=fxsplit.backend(compiler=args.compiler))
     x = stage.make_input().detach().requires_grad_()
     params = list(model.parameters())
     g = torch.randn_like(model(x))
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     outside = [(s - sg) / (f - fg) for f, fg, s, sg in rows]
     graphs = [sg / fg for _, fg, _, sg in rows]
     total = [s / f for f, _, s, _ in rows]
-    print(f"{args.config}, {args.compiler}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} rounds; "
+    print(f"{args.config}{' + an unused parameter' if args.unused_parameter else ''}, {args.compiler}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} rounds; "
           "medians (quartiles) of per-round ratios, B + W over the fused backward:")
     print(f"  host time outside the graphs: {_q(outside)}  "
           f"(fused {statistics.median(f - fg for f, fg, _, _ in rows) / 1e3:.0f} us, "
@@ -118,6 +124,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         result.update(fused_lines=fused_lines[0], b_lines=b_lines[0], w_lines=w_lines[0],
                       fused_distinct_lines=fused_lines[1], b_distinct_lines=b_lines[1], w_distinct_lines=w_lines[1])
     return result
+
+
+class _WithUnused(torch.nn.Module):
+    """A stage and a parameter its forward never uses (given to B and W with
+    the others, as a pipeline stage gives every parameter)."""
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+        self.unused = torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage(x)
 
 
 def _graph_code() -> Callable[[str], bool]:

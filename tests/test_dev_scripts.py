@@ -68,6 +68,18 @@ def test_host_overhead_counts_the_lines_of_python_around_the_graphs(capsys: pyte
     assert "lines of Python outside the graphs" in out
 
 
+def test_host_overhead_with_an_unused_parameter_runs_as_many_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """A parameter the stage never uses, given to B and W with the others,
+    keeps B on its one-walk plan and W on its one-region path: about as many
+    lines of Python as without it (3.6x as many in B, 2x in W, before
+    3623782 and 9b5e14c). Line counts, not times: they do not move with the machine."""
+    plain = host_overhead.main(["--reps", "1", "--compiler", "eager", "--lines"])
+    unused = host_overhead.main(["--reps", "1", "--compiler", "eager", "--lines", "--unused-parameter"])
+    assert "tiny + an unused parameter" in capsys.readouterr().out
+    for kind in ("b", "w"):
+        assert unused[f"{kind}_lines"] <= 1.1 * plain[f"{kind}_lines"], (kind, plain, unused)
+
+
 def test_host_overhead_refuses_zero_reps(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         host_overhead.main(["--reps", "0"])
