@@ -2,11 +2,13 @@
 # One prepared session on a lent GPU machine (docs/development.md, "The CUDA tier").
 # Run from the repository root there, with the wheel built here in .whl/ (carried):
 #   .venv/bin/pip wheel --no-deps . -w .whl                  (here, before the call)
-#   BUDGET=540 bash benchmarks/cuda_session.sh tier table    (there)
-# Parts, each under its own limit and all within BUDGET seconds: tier (the CUDA test
-# tier, most important tests first; TIER_PARTS="seconds|-k expression" lines choose), table (benchmarks/split_table.py), bench
-# (fxsplit bench --device cuda). Everything goes to $OUT (default ./cuda-out), at most
-# 8 files: gpu.txt, tier.log, table.log, cuda-split-table.json, bench.log, cuda-bench.json.
+#   BUDGET=540 bash benchmarks/cuda_session.sh direct tier table    (there)
+# Parts, each under its own limit and all within BUDGET seconds: direct (benchmarks/direct_b.py:
+# B through the engine against B calling the region's node, with and without CUDA graphs), tier
+# (the CUDA test tier, most important tests first; TIER_PARTS="seconds|-k expression" lines
+# choose), table (benchmarks/split_table.py), bench (fxsplit bench --device cuda). Everything goes
+# to $OUT (default ./cuda-out), at most 8 files: gpu.txt, direct.log, cuda-direct-b.json, tier.log,
+# table.log, cuda-split-table.json, bench.log, cuda-bench.json.
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/cuda-out}
@@ -35,6 +37,10 @@ ${TIER_PARTS:-200|llm_shapes and bf16
 90|flex
 180|not (llm_shapes and bf16) and not reduce_overhead and not flex}
 PARTS
+}
+direct() {
+  timeout "$(limit "${DIRECT_LIMIT:-120}")" python3 -m benchmarks.direct_b --device "${DEVICE:-cuda}" \
+    --reps "${DIRECT_REPS:-30}" --out "$OUT/cuda-direct-b.json" 2>&1 | tail -40 | tee -a "$OUT/direct.log"
 }
 table() {
   timeout "$(limit "${TABLE_LIMIT:-300}")" python3 -m benchmarks.split_table --device "${DEVICE:-cuda}" \
