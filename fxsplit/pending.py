@@ -1033,8 +1033,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """What :meth:`_compute` returns, in the common case, without its
         general steps: one region whose weights are B's, in any order, but for
-        any that no region reaches (``_single``),
-        nothing committed yet, every weight requiring a gradient and every
+        any that no region reaches (``_single``: unused, or frozen),
+        nothing committed yet, every weight of the region requiring a gradient and its
         ``.grad`` empty (so nothing accumulates inside the graph, step 0): run
         the dW graph and decide every commit in one pass (:meth:`_direct_one`,
         which returns ``None`` only for a weight given twice, which
@@ -1043,7 +1043,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         record = self._single
         if record is None or self._committed:
             return None
-        weights = self._weights
+        # The region's weights (B's others, unreached or frozen, W leaves as they are).
+        weights = record.params
         if not all(map(_requires_grad, weights)) or not all(
             map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
         ):

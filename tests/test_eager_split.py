@@ -471,11 +471,13 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
 
 class _WithUnused(nn.Module):
     """A stage with a parameter its forward never uses (as a middle stage
-    built from a whole model holds the token embedding)."""
+    built from a whole model holds the token embedding) and a frozen one (as
+    in fine-tuning), both given to B and W with the others."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 4))
+        self.body[0].bias.requires_grad_(False)
         self.unused = nn.Parameter(torch.randn(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -483,14 +485,18 @@ class _WithUnused(nn.Module):
 
 
 @pytest.mark.parametrize("unused_grad", [None, 1.0], ids=["empty_grad", "set_grad"])
-def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(unused_grad: float | None) -> None:
+def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(
+    unused_grad: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A given weight no output depends on: B still plans the stage as compiled
     regions only (one walk; before, the general plan's per-weight walks, some
     3.6x B's lines of Python on the tiny bench stage, and no direct call),
     counting the weight as unreached, and W takes its one-region path where
-    every ``.grad`` is empty. After W every gradient is ordinary backward's
-    and eager autograd's, and the unused weight's ``.grad`` (empty, or set)
-    and hooks are untouched, as after ordinary backward."""
+    the region's weights' ``.grad`` are empty, whatever the unused or a frozen
+    weight's is (before, its general steps). After W every gradient is
+    ordinary backward's and eager autograd's, and the unused weight's
+    ``.grad`` (empty, or set) and hooks and the frozen weight's ``.grad`` are
+    untouched, as after ordinary backward."""
     import copy
 
     from torch.autograd.graph import GradientEdge
@@ -503,7 +509,14 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(unused_gra
     backend = fxsplit.backend(compiler="eager", fallback="error")
     fn, ordinary_fn = torch.compile(model, backend=backend), torch.compile(ordinary, backend=backend)
     params = list(model.parameters())
-    used = [k for k, p in enumerate(params) if p is not model.unused]  # (a module's own parameters come first)
+    # (a module's own parameters come first)
+    used = [k for k, p in enumerate(params) if p is not model.unused and p.requires_grad]
+    from fxsplit.pending import PendingWeightGrads
+
+    def general_steps(*args: object) -> None:
+        raise AssertionError("W took its general steps")
+
+    monkeypatch.setattr(PendingWeightGrads, "_compute", general_steps)
     x = torch.randn(3, 6, requires_grad=True)
     before = fxsplit.compiled_regions()
     out = fn(x)
@@ -532,6 +545,9 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(unused_gra
                 if p is model.unused:
                     assert p.grad is None if unused_grad is None else torch.equal(p.grad, torch.full((3,), unused_grad))
                     assert q.grad is None if unused_grad is None else torch.equal(q.grad, p.grad)
+                    continue
+                if not p.requires_grad:
+                    assert p.grad is None and q.grad is None and r.grad is None, name
                     continue
                 torch.testing.assert_close(p.grad, q.grad, msg=name)
                 torch.testing.assert_close(p.grad, r.grad, msg=name)
