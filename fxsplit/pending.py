@@ -673,6 +673,17 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 order = tuple(map(position.get, map(id, one.params)))
                 if None not in order and len(set(order)) == len(order):  # B's weights, or some of them, in any order
                     self._single, self._order = one, order  # type: ignore[assignment]
+        # Several regions (graph breaks) and no eager code, each weight in one
+        # region only: W decides each region's commits as it does the single
+        # one's (``_order``: the regions' weights, one after the other).
+        self._many: list[CompiledWeightWork] | None = None
+        if len(compiled) > 1 and not groups and (weights_distinct or len(set(map(id, self._weights))) == n):
+            theirs = [p for r in compiled for p in r.params]
+            if theirs and len(theirs) <= n and not any(map(operator.is_, theirs, itertools.repeat(None))):
+                position = dict(zip(map(id, self._weights), itertools.count()))
+                order = tuple(map(position.get, map(id, theirs)))
+                if None not in order and len(set(order)) == len(order):  # no weight in two regions
+                    self._many, self._order = list(compiled), order  # type: ignore[assignment]
         # Regions B ran dI for: W's eager calls may pass through them and must
         # not run them again. Weak: W only needs the ones its graph still holds.
         self._split_regions = [weakref.ref(n) for n in split_regions] if groups else []
@@ -1033,7 +1044,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """What :meth:`_compute` returns, in the common case, without its
         general steps: one region whose weights are B's, in any order, but for
-        any that no region reaches (``_single``: unused, or frozen),
+        any that no region reaches (``_single``: unused, or frozen), or several
+        regions none of whose weights is another's (``_many``),
         nothing committed yet, every weight of the region requiring a gradient and its
         ``.grad`` empty (so nothing accumulates inside the graph, step 0): run
         the dW graph and decide every commit in one pass (:meth:`_direct_one`,
@@ -1041,15 +1053,33 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         ``_single`` excludes). ``None`` where the case does not hold, before
         anything has run."""
         record = self._single
-        if record is None or self._committed:
+        if self._committed or (record is None and self._many is None):
             return None
-        # The region's weights (B's others, unreached or frozen, W leaves as they are).
-        weights = record.params
-        if not all(map(_requires_grad, weights)) or not all(
-            map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
-        ):
+        records = [record] if record is not None else self._many
+        # The regions' weights (B's others, unreached or frozen, W leaves as they are).
+        for r in records:
+            weights = r.params
+            if not all(map(_requires_grad, weights)) or not all(
+                map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
+            ):
+                return None
+        if record is not None:
+            return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
+        # Every region's dW graph first (pure: an exception here changes nothing), then the decisions.
+        computed = [(r, r.compute(None, self.timings)) for r in records]
+        commits: list[WeightCommit] = []
+        direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for r, triples in computed:
+            one = self._direct_one(r, triples, fused_accumulation, empty=True, distinct=True)
+            if one is None:
+                return None  # (the general steps compute again: compute is pure)
+            commits.extend(one[0])
+            direct.extend(one[1])
+        # A storage that gradients of two regions share would be someone else's too
+        # (autograd would copy it): the general steps decide that.
+        if len(ti.storage_ptrs(list(map(_second, direct)))) != len(direct):  # (plain tensors only, all of them)
             return None
-        return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
+        return commits, direct
 
     def _compute(
         self, fused_accumulation: bool | None
@@ -1137,21 +1167,25 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         triples: list[tuple[torch.Tensor, Any, torch.Tensor]],
         switch: bool | None,
         empty: bool = False,
+        distinct: bool | None = None,
     ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """What :meth:`_direct` and step 3 of :meth:`_compute` decide, for the
-        gradients of one record when it is the only one and there is no eager
-        group, in one pass over its weights: the commit through autograd's
-        engine of what an empty ``.grad`` does not take as it is, and the
-        ``(weight, gradient)`` pairs it does. ``None`` where a weight has two
-        gradients (the general path sums them). ``empty``: the caller found
-        every ``.grad`` of B's weights ``None`` (no user code ran since)."""
+        gradients of one record when no other record shares a weight with it
+        and there is no eager group, in one pass over its weights: the commit
+        through autograd's engine of what an empty ``.grad`` does not take as
+        it is, and the ``(weight, gradient)`` pairs it does. ``None`` where a
+        weight has two gradients (the general path sums them). ``empty``: the
+        caller found every ``.grad`` of the record's weights ``None`` (no user
+        code ran since). ``distinct``: the record's weights are known distinct
+        (default: it is ``_single``)."""
         allowed = self._fusion_allowed(record, switch)
         if allowed:
             weights = list(map(_first, triples))
             grads = list(map(_third, triples))
             # The single record's weights are B's, found distinct at B (_single):
             # so is any selection of them.
-            if _all_taken(record, weights, grads, distinct=record is self._single, empty=empty):
+            known = record is self._single if distinct is None else distinct
+            if _all_taken(record, weights, grads, distinct=known, empty=empty):
                 return [], list(zip(weights, grads))  # the common case, decided without a per-weight loop
         plain = torch.Tensor
         storage_ptr = ti.storage_ptr

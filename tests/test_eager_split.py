@@ -554,3 +554,63 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(
             assert work.handed_over and set(work.handed_over) <= set(used)  # (gradients W set as they are)
     assert not fired
     assert sum(r.direct_b_runs for r in fxsplit.compiled_regions() if r not in before) == 2
+
+
+class _TwoRegions(nn.Module):
+    """A graph break between two blocks: two compiled regions. ``tied``: the
+    second block's first layer is the first block's (one weight, two regions)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6))
+        self.second = nn.Sequential(self.first[1] if tied else nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own_weights", "tied_across_the_break"])
+def test_w_decides_each_region_at_once_where_no_weight_is_in_two(tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage split by a graph break: where each weight is in one region, W
+    runs every region's dW graph, then decides each region's commits as it
+    does a single region's (its general steps never run); a weight in both
+    regions takes the general steps, which sum its two gradients. Either way
+    the gradients, over two steps with ``.grad`` emptied before each, are
+    ordinary backward's and eager autograd's."""
+    import copy
+
+    from fxsplit.pending import PendingWeightGrads
+
+    torch.manual_seed(0)
+    model = _TwoRegions(tied)
+    ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    fn, ordinary_fn = torch.compile(model, backend=backend), torch.compile(ordinary, backend=backend)
+    params = list(model.parameters())
+    general = PendingWeightGrads._compute
+    calls: list[int] = []
+
+    def counted(self: PendingWeightGrads, *args: object) -> object:
+        calls.append(1)
+        return general(self, *args)
+
+    monkeypatch.setattr(PendingWeightGrads, "_compute", counted)
+    for step in range(2):
+        x, g = torch.randn(3, 6), torch.randn(3, 4)
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        for m in (model, ordinary, eager):
+            for p in m.parameters():
+                p.grad = None
+        (dx,), work = fxsplit.stage_backward_input([fn(xs[0])], [g], [xs[0]], params)
+        assert len(work.compiled) == 2
+        fxsplit.stage_backward_weight(params, work)
+        ordinary_fn(xs[1]).backward(g)
+        eager(xs[2]).backward(g)
+        torch.testing.assert_close(dx, xs[1].grad)
+        torch.testing.assert_close(dx, xs[2].grad)
+        for (name, p), q, r in zip(model.named_parameters(), ordinary.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            torch.testing.assert_close(p.grad, r.grad, msg=name)
+    assert len(calls) == (2 if tied else 0)
