@@ -1066,7 +1066,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         if record is not None:
             return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
         # Every region's dW graph first (pure: an exception here changes nothing), then the decisions.
-        computed = [(r, r.compute(None, self.timings)) for r in records]
+        # (a region with no weight, such as a loss after a graph break, has no dW graph to run)
+        computed = [(r, r.compute(None, self.timings)) for r in records if r.params]
         commits: list[WeightCommit] = []
         direct: list[tuple[torch.Tensor, torch.Tensor]] = []
         for r, triples in computed:
