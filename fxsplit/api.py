@@ -198,6 +198,10 @@ def _check_grads(outs: Sequence[Output], grads: list[Any]) -> list[torch.Tensor]
             raise ValueError(
                 f"fxsplit: output gradient {k} has dtype {g.dtype} but the stage output has dtype {o.dtype}"
             )
+        if g.device != o.device:  # (autograd's engine checks it too; B may call a region's node itself)
+            raise ValueError(
+                f"fxsplit: output gradient {k} is on {g.device} but the stage output is on {o.device}"
+            )
         if g.requires_grad:
             raise NotImplementedError(
                 f"fxsplit: output gradient {k} requires grad: double backward (create_graph=True) is not "
@@ -289,7 +293,7 @@ def stage_backward_input(
     # that keep their graph alive (W may start autograd there).
     out_edges = [_light_edge(o) for o in outs]
     plan = None
-    if outs and grad_inputs:
+    if outs:
         plan = compiled_only_plan(
             out_edges, [v.grad_fn for _, v in grad_inputs if v.grad_fn is not None], weights,
             [v for _, v in grad_inputs if v.grad_fn is None],
@@ -339,6 +343,10 @@ def stage_backward_input(
                         results = _run_direct(*direct, targets)
                     else:
                         results = ti.engine_grad(outs, grads, targets, retain)
+                elif not grad_inputs and _outputs_are_the_captures(plan, outs):
+                    # A first stage of one region: what flows into it is the output
+                    # gradients themselves (checked above); no engine call to capture them.
+                    results = tuple(grads)
                 else:
                     results = torch.autograd.grad(
                         outs, targets, grad_outputs=grads, retain_graph=retain, allow_unused=True
@@ -438,6 +446,25 @@ def _direct_call(
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None
     return node, by_output, edges
+
+
+def _outputs_are_the_captures(plan: EagerWeightPlan, outs: list[Any]) -> bool:
+    """Whether the edges B captures are the outputs' own, each once, with
+    nothing autograd's engine would run on the way (a tensor hook,
+    ``retain_grad``): the gradients it would capture are then the output
+    gradients as given."""
+    captures = plan.captures
+    if len(captures) != len(outs):
+        return False
+    seen: set[int] = set()
+    for o, edge in zip(outs, captures):
+        if (
+            type(o) is not torch.Tensor or o.grad_fn is not edge.node or o.output_nr != edge.output_nr
+            or o.output_nr in seen or o._backward_hooks or o.retains_grad
+        ):
+            return False
+        seen.add(o.output_nr)
+    return True
 
 
 def _run_direct(

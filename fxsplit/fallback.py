@@ -395,13 +395,18 @@ def compiled_only_plan(
     graph computes), and every region leads to a stage input.
     ``input_leaves``: stage inputs that are leaves, known by their grad
     accumulator's variable (finding the accumulator itself costs a view op).
+    With neither (a first stage), only a stage of one region whose outputs
+    are the stage's is planned here: that region is the bottom region, and
+    the gradients flowing into it are the output gradients themselves.
     One walk over those nodes decides it, instead of the per-weight walks of
     the general plan (the same result, without its cost on every B). Given
     weights that no region reaches are counted in ``unreached``, as the
     general plan counts them; W leaves them as ordinary backward does.
     """
-    if not input_nodes and not input_leaves:
-        return None
+    # A first stage (no input needs a gradient): planned here where it is one
+    # region whose outputs are the stage's; its B runs that region's dI graph
+    # on the output gradients (the bottom region, captured at the outputs).
+    first = not input_nodes and not input_leaves
     inputs = set(input_nodes)
     leaves = set(map(id, input_leaves))
     # Every weight's id: the given weights that require grad where the walk
@@ -473,6 +478,18 @@ def compiled_only_plan(
         unreached = len(given) - len(found)
     if not regions:
         return None
+    if first:
+        if len(regions) != 1:
+            return None  # (the general plan finds the bottom regions and what flows into them)
+        (node,) = regions
+        if any(e.node is not node for e in output_edges):
+            return None
+        plan = EagerWeightPlan.compiled_only(
+            [node], len(output_edges), region_params, region_children, distinct, input_edges, unreached
+        )
+        plan.bottom_regions = [node]
+        plan.captures = list(output_edges)
+        return plan
     # Every region must lead to a stage input (else its whole backward is W work).
     if len(regions) == 1:
         (below,) = regions.values()

@@ -312,3 +312,42 @@ def test_stage_without_regions_runs_everything_at_w() -> None:
     fxsplit.stage_backward_weight(params, work)
     for got, want in zip(params, ordinary_backward(ref, [0])):
         assert_close(got.grad, want)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "output_hook"])
+def test_one_region_first_stage_b_needs_no_engine_call(hooked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first stage compiled as one region: B's plan is the compiled-only
+    walk's, and what flows into the region is the output gradient itself, so
+    B runs the region's dI graph with no autograd call to capture it (before,
+    the general plan and an engine call). A tensor hook on the output is run
+    by the engine, as ordinary backward runs it: then B makes that call.
+    Gradients equal ordinary backward's on an identical eager copy, two
+    microbatches in flight."""
+    ref, model, _ = build("compiled")
+    params = list(model.parameters())
+    engine_calls: list[int] = []
+    real = torch.autograd.grad
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        engine_calls.append(1)
+        return real(*args, **kwargs)
+
+    seen: list[int] = []
+    outs = [model(token_ids(s)) for s in (0, 1)]
+    monkeypatch.setattr(torch.autograd, "grad", counted)  # (after the forwards: compiling traces with it)
+    if hooked:
+        for o in outs:
+            o.register_hook(lambda g: seen.append(1))
+    works = []
+    for s, out in enumerate(outs):
+        dinputs, work = fxsplit.stage_backward_input([out], [output_grad(out, s)], [token_ids(s)], params)
+        assert dinputs == (None,)
+        works.append(work)
+    assert all(p.grad is None for p in params)
+    assert len(engine_calls) == (2 if hooked else 0) and len(seen) == (2 if hooked else 0)
+    for work in works:
+        fxsplit.stage_backward_weight(params, work)
+    want = ordinary_backward(ref, [0, 1])
+    for (name, p), w in zip(model.named_parameters(), want):
+        assert_close(p.grad, w, msg=name)
+    assert len(seen) == (2 if hooked else 0)  # (once per microbatch, as ordinary backward runs it)
