@@ -122,8 +122,10 @@ def _b(s: Scene, grads: Any) -> Any:
         (lambda o: [torch.ones(o.shape[0], o.shape[1] + 1)], r"shape \(5, 4\) but the stage output has shape \(5, 3\)"),
         (lambda o: [torch.ones_like(o, dtype=torch.float64)], "dtype torch.float64 but the stage output has dtype"),
         (lambda o: None, "implicit gradient exists only for scalar"),
+        # (a device no kernel runs on stands for another device: the check comes before any work)
+        (lambda o: [torch.empty(o.shape, dtype=o.dtype, device="meta")], "is on meta but the stage output is on cpu"),
     ],
-    ids=["length", "shape", "dtype", "missing"],
+    ids=["length", "shape", "dtype", "missing", "device"],
 )
 def test_wrong_output_grads(mode: str, bad: Callable, match: str) -> None:
     check(mode, lambda s: _b(s, bad(s.out1)), ValueError, match)
