@@ -1053,18 +1053,23 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         ``_single`` excludes). ``None`` where the case does not hold, before
         anything has run."""
         record = self._single
-        if self._committed or (record is None and self._many is None):
+        if record is not None:
+            # The region's weights (B's others, unreached or frozen, W leaves as they are).
+            weights = record.params
+            if self._committed or not all(map(_requires_grad, weights)) or not all(
+                map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
+            ):
+                return None
+            return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
+        records = self._many
+        if records is None or self._committed:
             return None
-        records = [record] if record is not None else self._many
-        # The regions' weights (B's others, unreached or frozen, W leaves as they are).
         for r in records:
             weights = r.params
             if not all(map(_requires_grad, weights)) or not all(
                 map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
             ):
                 return None
-        if record is not None:
-            return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
         # Every region's dW graph first (pure: an exception here changes nothing), then the decisions.
         # (a region with no weight, such as a loss after a graph break, has no dW graph to run)
         computed = [(r, r.compute(None, self.timings)) for r in records if r.params]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import direct_b, graph_times, host_overhead, kernel_profile, paired
+from benchmarks import direct_b, graph_times, host_overhead, kernel_profile, paired, stage_shapes
 
 
 @pytest.mark.inductor
@@ -161,3 +161,23 @@ def test_direct_b_refuses_zero_reps(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         direct_b.main(["--reps", "0"])
     assert e.value.code == 2 and "--reps must be at least 1" in capsys.readouterr().err
+
+
+def test_stage_shapes_finds_no_shape_off_b_fast_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unused parameter, a frozen one and a first stage each cost B about
+    as many lines of Python as the plain block (before this session's
+    changes: 1.9x for the unused and the first stage), and the direct call is
+    taken wherever the input needs a gradient. Line counts, not times."""
+    result = stage_shapes.main(["--compiler", "eager", "--shapes", "base,unused,frozen,first_stage"])
+    out = capsys.readouterr().out
+    assert all(f"  {s} " in out for s in ("base", "unused", "frozen", "first_stage"))
+    base = result["base"]["b_lines"]
+    for shape in ("unused", "frozen", "first_stage"):
+        assert result[shape]["b_lines"] <= 1.1 * base, (shape, result)
+    assert [result[s]["direct_b_runs"] for s in ("base", "unused", "frozen", "first_stage")] == [3, 3, 3, 0]
+
+
+def test_stage_shapes_refuses_an_unknown_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        stage_shapes.main(["--shapes", "base,nonsense"])
+    assert e.value.code == 2 and "unknown shape(s) ['nonsense']" in capsys.readouterr().err

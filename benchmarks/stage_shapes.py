@@ -1,0 +1,138 @@
+"""Lines of Python B and W run, per stage shape: where a shape falls off the fast paths.
+
+B and W have fast paths for the common case (one walk to plan B, B calling a
+region's node itself, W deciding a region's commits at once) and general
+steps for everything else. A stage shape that falls off a fast path costs
+many more lines of Python around the graphs, which on a host-bound stage is
+time. This counts, per shape, the lines of Python one B and one W run outside
+the compiled graphs' own code (as ``host_overhead --lines`` does for the
+tiny bench stage), after two warm-up microbatches, on a small
+LayerNorm-Linear-GELU-Linear block with a residual:
+
+    python -m benchmarks.stage_shapes                      # every shape, Inductor
+    python -m benchmarks.stage_shapes --shapes base,first_stage --compiler eager
+
+Shapes: ``base``; ``frozen`` (a weight that needs no gradient, given to B and
+W); ``unused`` (a parameter the forward never uses); ``tied`` (one Linear used
+twice); ``two_inputs`` (a second input that needs no gradient); ``two_outputs``
+(the hidden state and a scalar); ``view_output``; ``graph_break`` (two
+regions); ``first_stage`` (the input needs no gradient); ``accumulating``
+(``.grad`` already set: a microbatch after the step's first). The direct call
+(``fxsplit.config.direct_b``) is on for every device, as on a GPU. Counts do
+not move with the machine; they do with torch's version (AOTAutograd's own
+wrappers are counted too, as in an ordinary backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxsplit
+from benchmarks.host_overhead import _lines_run
+
+D = 16
+
+
+class Block(nn.Module):
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.shape = shape
+        self.ln = nn.LayerNorm(D)
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        if shape == "frozen":
+            self.a.bias.requires_grad_(False)
+        if shape == "unused":
+            self.unused = nn.Parameter(torch.zeros(D))
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.ln(x))
+        if self.shape == "graph_break":
+            torch._dynamo.graph_break()
+        last = self.a if self.shape == "tied" else self.b
+        return x + last(F.gelu(h))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Any:
+        h = self._body(x)
+        if mask is not None:
+            h = h * mask
+        if self.shape == "two_outputs":
+            return h, h.pow(2).mean()
+        if self.shape == "view_output":
+            return h.view(-1, D)
+        return h
+
+
+SHAPES = ("base", "frozen", "unused", "tied", "two_inputs", "two_outputs", "view_output", "graph_break",
+          "first_stage", "accumulating")
+
+
+def count(shape: str, compiler: str) -> dict[str, Any]:
+    """Lines of Python (in all) of one B and one W on ``shape``, and the regions' direct calls."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Block(shape)
+    fn = torch.compile(model, backend=fxsplit.backend(compiler=compiler, fallback="error"))
+    params = list(model.parameters())
+    before = fxsplit.compiled_regions()
+
+    def step(measure: bool) -> tuple[int, int] | None:
+        if shape != "accumulating":
+            for p in params:
+                p.grad = None
+        x = torch.randn(4, 8, D, requires_grad=shape != "first_stage")
+        args = (x, torch.randn(4, 8, D)) if shape == "two_inputs" else (x,)
+        out = fn(*args)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
+        b: Callable[[], Any] = lambda: fxsplit.stage_backward_input(outs, grads, list(args), params)  # noqa: E731
+        if not measure:
+            _, work = b()
+            fxsplit.stage_backward_weight(params, work)
+            return None
+        (b_lines, _), (_, work) = _lines_run(b)
+        (w_lines, _), _ = _lines_run(lambda: fxsplit.stage_backward_weight(params, work))
+        return b_lines, w_lines
+
+    with fxsplit.config.patch(direct_b=True):
+        for _ in range(2):
+            step(False)
+        measured = step(True)
+    assert measured is not None
+    regions = [r for r in fxsplit.compiled_regions() if all(r is not b for b in before)]
+    return {"b_lines": measured[0], "w_lines": measured[1], "regions": len(regions),
+            "direct_b_runs": sum(r.direct_b_runs for r in regions)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
+                   help="the graphs' compiler (eager: FX graphs as they are; W's commits may differ: "
+                        "their gradients' layouts are not Inductor's)")
+    args = p.parse_args(argv)
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    torch.set_num_threads(1)
+    print(f"{args.compiler}, torch {torch.__version__}; lines of Python outside the graphs, one B and one W "
+          "(the direct call on):")
+    result: dict[str, dict[str, Any]] = {}
+    for shape in shapes:
+        r = result[shape] = count(shape, args.compiler)
+        print(f"  {shape:13s} B {r['b_lines']:5d}  W {r['w_lines']:5d}  regions {r['regions']}  "
+              f"direct calls {r['direct_b_runs']}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
