@@ -22,8 +22,9 @@ Expected layouts come from the values the consumer was compiled for (fake
 tensors of the traced graph, with symbolic sizes where the region is
 dynamic). Static sizes are compared exactly (strides of size-1 dimensions are
 ignored, as Inductor's ``assert_size_stride`` ignores them); symbolic ones by
-what they fix: the rank, the dimensions statically of size 1, and for
-strides, density in the expected dimension order.
+what they fix: the rank, the dimensions statically of size 1, the broadcast
+dimensions (stride 0: an expand the consumer was compiled to read as one),
+and for the other strides, density in the expected dimension order.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class TensorLayout:
     largest, at the example's sizes) describe it.
     """
 
-    __slots__ = ("rank", "dtype", "device", "static", "size", "stride", "ones", "order", "strides")
+    __slots__ = ("rank", "dtype", "device", "static", "size", "stride", "ones", "order", "strides", "zeros")
 
     def __init__(self, value: torch.Tensor, strides: bool = True) -> None:
         # strides=False: only the shape and dtype matter to the consumer (autograd
@@ -92,8 +93,11 @@ class TensorLayout:
         self.size: tuple[int, ...] = tuple(s if s is not None else -1 for s in sizes)
         self.stride: tuple[int, ...] = tuple(s if s is not None else -1 for s in strides)
         self.ones = tuple(k for k, s in enumerate(sizes) if s == 1)
+        # Broadcast dimensions (an expand: stride 0, size not 1). A consumer compiled
+        # for one reads index 0 along it; what crosses must be laid out so too.
+        self.zeros = tuple(k for k, (n, st) in enumerate(zip(sizes, strides)) if st == 0 and n != 1)
         hints = [_hint(s) for s in value.stride()]
-        self.order = tuple(sorted(range(self.rank), key=lambda k: (hints[k], k)))
+        self.order = tuple(k for k in sorted(range(self.rank), key=lambda k: (hints[k], k)) if k not in self.zeros)
 
     def matches(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is laid out as expected (the per-call check)."""
@@ -110,7 +114,11 @@ class TensorLayout:
             )
         if t.dim() != self.rank or any(t.shape[k] != 1 for k in self.ones):
             return False
-        return not self.strides or self._dense_in_order(t)
+        if not self.strides:
+            return True
+        if self.zeros and any(t.stride(k) != 0 and t.shape[k] != 1 for k in self.zeros):
+            return False
+        return self._dense_in_order(t)
 
     def _dense_in_order(self, t: torch.Tensor) -> bool:
         expected = 1
@@ -147,7 +155,7 @@ class TensorLayout:
     def _stride_for(self, size: tuple[int, ...]) -> tuple[int, ...]:
         if self.static:
             return self.stride
-        stride = [0] * self.rank
+        stride = [0] * self.rank  # (0 along the broadcast dimensions, which order leaves out)
         expected = 1
         for k in self.order:
             stride[k] = expected
@@ -176,7 +184,12 @@ class TensorLayout:
                 how = "copy"
         if not self.matches(t):
             out = torch.empty_strided(size, self._stride_for(size), dtype=self.dtype, device=t.device)
-            out.copy_(t)
+            # Along a broadcast dimension every element of out is one memory location:
+            # copy index 0 of t there (t is numerically the expanded value).
+            dst, src = out, t
+            for k in self.zeros:
+                dst, src = dst.narrow(k, 0, 1), src.narrow(k, 0, 1)
+            dst.copy_(src)
             t = out
             how = "copy"
         return t, how
@@ -185,7 +198,8 @@ class TensorLayout:
         if self.static:
             return f"{self.dtype} size {self.size} stride {self.stride}"
         sizes = ", ".join("?" if n < 0 else str(n) for n in self.size)
-        return f"{self.dtype} size ({sizes}) dense in dimension order {list(self.order)}"
+        broadcast = f", broadcast along {list(self.zeros)}" if self.zeros else ""
+        return f"{self.dtype} size ({sizes}) dense in dimension order {list(self.order)}{broadcast}"
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -210,6 +210,34 @@ def test_symbolic_layouts_fix_rank_and_order() -> None:
     assert how == "copy" and layout.matches(out)
 
 
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+def test_a_broadcast_layout_is_conformed_by_its_first_element(symbolic: bool) -> None:
+    """A consumer compiled for an expanded value (stride 0 along a dimension
+    of size 8) reads one element along it; a materialized tensor of the same
+    values (Inductor's choice on one side of the boundary) is not that
+    layout, and is conformed to it: one copy of index 0 along the broadcast
+    dimension, no overlapping write. With symbolic sizes, density alone
+    took the materialized tensor for the expected layout (fuzz seed 52 with
+    Inductor: the dW graph's ``assert_size_stride`` failed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    column = torch.empty(6, 1)
+    if symbolic:
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+        column = mode.from_tensor(column, symbolic_context=ctx)
+    layout = TensorLayout(column.expand(column.shape[0], 8))  # stride (1, 0)
+    assert layout.zeros == (1,) and layout.static is not symbolic
+    values = torch.arange(5.0 if symbolic else 6.0).unsqueeze(1)  # (another batch size where symbolic)
+    materialized = values.expand(-1, 8).contiguous()  # stride (8, 1)
+    assert not layout.matches(materialized)
+    out, how = layout.conform(materialized)
+    assert how == "copy" and out.stride() == (1, 0) and layout.matches(out)
+    torch.testing.assert_close(out, materialized, rtol=0, atol=0)
+    assert layout.matches(values.expand(-1, 8))  # an expand as compiled for: as it is
+
+
 def test_another_number_of_elements_is_a_clear_error() -> None:
     guard = BoundaryGuard("region9", [torch.empty(1, 8)], ["live-in sum_1"])
     with pytest.raises(LayoutMismatch, match=r"region9: live-in sum_1 came back .* size \(9,\)"):
