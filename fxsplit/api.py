@@ -343,7 +343,7 @@ def stage_backward_input(
                         results = _run_direct(*direct, targets)
                     else:
                         results = ti.engine_grad(outs, grads, targets, retain)
-                elif not grad_inputs and _outputs_are_the_captures(plan, outs):
+                elif not grad_inputs and _outputs_are_the_captures(plan, outs, grads):
                     # A first stage of one region: what flows into it is the output
                     # gradients themselves (checked above); no engine call to capture them.
                     results = tuple(grads)
@@ -429,11 +429,9 @@ def _direct_call(
     entries = plan.input_edges.get(node)  # (compiled-only plans have them)
     if entries is None or len(node.needs_input_grad) != len(plan.region_children[node]):
         return None  # (or a forward argument that is no tensor, a symbolic size: results and edges differ)
-    by_output: dict[int, torch.Tensor] = {}
-    for o, g in zip(outs, grads):
-        if o.grad_fn is not node or o._backward_hooks or o.retains_grad or o.output_nr in by_output:
-            return None
-        by_output[o.output_nr] = g
+    by_output = _gradients_by_output(node, outs, grads)
+    if by_output is None:
+        return None
     edges = []
     for x in targets:
         if x._backward_hooks or x.retains_grad:
@@ -448,23 +446,34 @@ def _direct_call(
     return node, by_output, edges
 
 
-def _outputs_are_the_captures(plan: EagerWeightPlan, outs: list[Any]) -> bool:
-    """Whether the edges B captures are the outputs' own, each once, with
-    nothing autograd's engine would run on the way (a tensor hook,
-    ``retain_grad``): the gradients it would capture are then the output
-    gradients as given."""
-    captures = plan.captures
-    if len(captures) != len(outs):
-        return False
-    seen: set[int] = set()
-    for o, edge in zip(outs, captures):
+def _gradients_by_output(
+    node: Any, outs: list[Any], grads: list[torch.Tensor]
+) -> dict[int, torch.Tensor] | None:
+    """``{output_nr: gradient}`` where every output is a plain tensor of
+    ``node``'s, each once, with nothing autograd's engine would run on its way
+    into ``node`` (a tensor hook, ``retain_grad``); else ``None``."""
+    by_output: dict[int, torch.Tensor] = {}
+    for o, g in zip(outs, grads):
         if (
-            type(o) is not torch.Tensor or o.grad_fn is not edge.node or o.output_nr != edge.output_nr
-            or o.output_nr in seen or o._backward_hooks or o.retains_grad
+            type(o) is not torch.Tensor or o.grad_fn is not node or o._backward_hooks or o.retains_grad
+            or o.output_nr in by_output
         ):
-            return False
-        seen.add(o.output_nr)
-    return True
+            return None
+        by_output[o.output_nr] = g
+    return by_output
+
+
+def _outputs_are_the_captures(plan: EagerWeightPlan, outs: list[Any], grads: list[torch.Tensor]) -> bool:
+    """Whether the edges B captures are the outputs' own (one region's), so
+    that the gradients the engine would capture are the output gradients as
+    given (:func:`_gradients_by_output`)."""
+    captures = plan.captures
+    if len(captures) != len(outs) or not captures:
+        return False
+    node = captures[0].node
+    if any(e.node is not node or e.output_nr != getattr(o, "output_nr", None) for e, o in zip(captures, outs)):
+        return False
+    return _gradients_by_output(node, outs, grads) is not None
 
 
 def _run_direct(

@@ -398,6 +398,11 @@ _grad_dtype_of = operator.attrgetter("grad_dtype")
 _deref = ti.deref
 
 
+def _wanted_and_empty(weights: Sequence[torch.Tensor]) -> bool:
+    """Every weight requires a gradient and has no ``.grad`` (C-level passes)."""
+    return all(map(_requires_grad, weights)) and all(map(operator.is_, map(_grad_of, weights), itertools.repeat(None)))
+
+
 def _grad_or_none(p: torch.Tensor | None) -> torch.Tensor | None:
     return None if p is None else p.grad
 
@@ -659,31 +664,26 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # the position in ``weights`` of each of the region's weights, where
         # the orders differ or some of B's are not the region's (``None``
         # where they are the same list).
-        one = compiled[0] if len(compiled) == 1 and not groups else None
+        # Several regions (graph breaks), each weight in one region only, are
+        # decided likewise, region by region (``_many``; ``_order``: the
+        # regions' weights, one after the other).
         n = len(self._weights)
         self._single: CompiledWeightWork | None = None
-        self._order: tuple[int, ...] | None = None
-        if one is not None and len(one.params) <= n and (
-            weights_distinct or len(set(map(id, self._weights))) == n
-        ):
-            if len(one.params) == n and all(map(operator.is_, one.params, self._weights)):
-                self._single = one
-            else:
-                position = dict(zip(map(id, self._weights), itertools.count()))
-                order = tuple(map(position.get, map(id, one.params)))
-                if None not in order and len(set(order)) == len(order):  # B's weights, or some of them, in any order
-                    self._single, self._order = one, order  # type: ignore[assignment]
-        # Several regions (graph breaks) and no eager code, each weight in one
-        # region only: W decides each region's commits as it does the single
-        # one's (``_order``: the regions' weights, one after the other).
         self._many: list[CompiledWeightWork] | None = None
-        if len(compiled) > 1 and not groups and (weights_distinct or len(set(map(id, self._weights))) == n):
-            theirs = [p for r in compiled for p in r.params]
-            if theirs and len(theirs) <= n and not any(map(operator.is_, theirs, itertools.repeat(None))):
+        self._order: tuple[int, ...] | None = None
+        if compiled and not groups and (weights_distinct or len(set(map(id, self._weights))) == n):
+            theirs = compiled[0].params if len(compiled) == 1 else [p for r in compiled for p in r.params]
+            order: tuple[int | None, ...] | None = None
+            if len(theirs) != n or not all(map(operator.is_, theirs, self._weights)):
                 position = dict(zip(map(id, self._weights), itertools.count()))
                 order = tuple(map(position.get, map(id, theirs)))
-                if None not in order and len(set(order)) == len(order):  # no weight in two regions
-                    self._many, self._order = list(compiled), order  # type: ignore[assignment]
+            # B's weights, or some of them, in any order, none in two regions (or missing: None)
+            if order is None or (None not in order and len(set(order)) == len(order)):
+                if len(compiled) == 1:
+                    self._single = compiled[0]
+                else:
+                    self._many = list(compiled)
+                self._order = order  # type: ignore[assignment]
         # Regions B ran dI for: W's eager calls may pass through them and must
         # not run them again. Weak: W only needs the ones its graph still holds.
         self._split_regions = [weakref.ref(n) for n in split_regions] if groups else []
@@ -1055,21 +1055,12 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         record = self._single
         if record is not None:
             # The region's weights (B's others, unreached or frozen, W leaves as they are).
-            weights = record.params
-            if self._committed or not all(map(_requires_grad, weights)) or not all(
-                map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
-            ):
+            if self._committed or not _wanted_and_empty(record.params):
                 return None
             return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
         records = self._many
-        if records is None or self._committed:
+        if records is None or self._committed or not all(_wanted_and_empty(r.params) for r in records):
             return None
-        for r in records:
-            weights = r.params
-            if not all(map(_requires_grad, weights)) or not all(
-                map(operator.is_, map(_grad_of, weights), itertools.repeat(None))
-            ):
-                return None
         # Every region's dW graph first (pure: an exception here changes nothing), then the decisions.
         # (a region with no weight, such as a loss after a graph break, has no dW graph to run)
         computed = [(r, r.compute(None, self.timings)) for r in records if r.params]
