@@ -4,6 +4,7 @@ eager module and on an fxsplit-compiled one, against plain autograd."""
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -469,6 +470,17 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         fxsplit.stage_backward_weight(params, work)
 
 
+def _ordinary_and_eager_steps(ordinary_fn: Any, eager: nn.Module, xs: list[torch.Tensor], g: torch.Tensor,
+                              dx: torch.Tensor) -> None:
+    """The same microbatch through ordinary backward on the compiled copy
+    (``xs[1]``) and eager autograd on the uncompiled one (``xs[2]``); the
+    split's input gradient ``dx`` against both."""
+    ordinary_fn(xs[1]).backward(g)
+    eager(xs[2]).backward(g)
+    torch.testing.assert_close(dx, xs[1].grad)
+    torch.testing.assert_close(dx, xs[2].grad)
+
+
 class _WithUnused(nn.Module):
     """A stage with a parameter its forward never uses (as a middle stage
     built from a whole model holds the token embedding) and a frozen one (as
@@ -537,10 +549,7 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(
             assert work.explain().endswith("1 with no gradient from these outputs")
             assert (work._single is not None) and sorted(work._order or ()) == used
             fxsplit.stage_backward_weight(params, work)
-            ordinary_fn(xs[1]).backward(g)
-            eager(xs[2]).backward(g)
-            torch.testing.assert_close(dx, xs[1].grad)
-            torch.testing.assert_close(dx, xs[2].grad)
+            _ordinary_and_eager_steps(ordinary_fn, eager, xs, g, dx)
             for (name, p), q, r in zip(model.named_parameters(), ordinary.parameters(), eager.parameters()):
                 if p is model.unused:
                     assert p.grad is None if unused_grad is None else torch.equal(p.grad, torch.full((3,), unused_grad))
@@ -606,10 +615,7 @@ def test_w_decides_each_region_at_once_where_no_weight_is_in_two(tied: bool, mon
         (dx,), work = fxsplit.stage_backward_input([fn(xs[0])], [g], [xs[0]], params)
         assert len(work.compiled) == 2
         fxsplit.stage_backward_weight(params, work)
-        ordinary_fn(xs[1]).backward(g)
-        eager(xs[2]).backward(g)
-        torch.testing.assert_close(dx, xs[1].grad)
-        torch.testing.assert_close(dx, xs[2].grad)
+        _ordinary_and_eager_steps(ordinary_fn, eager, xs, g, dx)
         for (name, p), q, r in zip(model.named_parameters(), ordinary.parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
             torch.testing.assert_close(p.grad, r.grad, msg=name)
