@@ -26,10 +26,15 @@ runs, in this order of preference:
    the rank has no ``F`` or ``I`` left;
 4. otherwise it waits for the next arrival.
 
-The search varies the placement (``"v"``, ``"interleaved"``), ``max_in_flight``,
-``w_gap`` and ``f_gap``. The orders of upstream's schedules for the same placement are
-candidates too, so the result is never slower in simulation than any of them
-within the limit. The fastest greedy orders and the upstream ones are also
+The search varies the placement (``"v"``, ``"interleaved"``, ``"contiguous"``),
+``max_in_flight``, ``w_gap`` and ``f_gap``. The orders of every upstream schedule
+class that runs the same number of stages per rank on one of those placements are
+candidates too (``Schedule1F1B`` over consecutive stages, the interleaved classes,
+ZB-V and DualPipeV where there are two stages per rank), replayed exactly as
+:func:`~fxsplit.schedules.upstream_order` gives them and as anyone comparing
+against them replays them, so the result is never slower in simulation than any
+of them within the limit; :attr:`GeneratedSchedule.upstream` lists each with its
+step and whether the limit left it out. The fastest greedy orders and the upstream ones are also
 tried with :func:`merge_where_free`: an ``I`` and the ``W`` right after it
 become one full backward ``B`` (fxsplit's fused graph, cheaper than ``I`` +
 ``W`` by the split's overhead) wherever the gradient still arrives in time;
@@ -63,11 +68,6 @@ __all__ = ["Candidate", "GeneratedSchedule", "generate_schedule", "greedy_order"
 W_GAPS = (0.0, 1.0, math.inf)
 # f_gap values searched: start a new microbatch whenever possible, or only if it delays no work already here.
 F_GAPS = (0.0, 1.0)
-# Upstream schedules tried as candidates, by placement.
-_SEEDS = {
-    "v": ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"),
-    "interleaved": ("ScheduleInterleavedZeroBubble", "ScheduleInterleaved1F1B"),
-}
 # How many of the greedy orders (the fastest in the compute-only replay) are also tried with I + W merged.
 _MERGED_FINALISTS = 4
 
@@ -84,6 +84,11 @@ class Candidate:
     step_time: float | None
     peak_bytes: int
     fits: bool
+
+    @property
+    def is_upstream(self) -> bool:
+        """An upstream schedule class's own order (``source`` is its class name)."""
+        return self.source in UPSTREAM_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +116,38 @@ class GeneratedSchedule:
     @property
     def n_ranks(self) -> int:
         return len(self.order)
+
+    @property
+    def step_time(self) -> float:
+        """The simulated step time of the winner, as run (lowered)."""
+        return self.simulation.step_time
+
+    @property
+    def runner_up(self) -> Candidate | None:
+        """The fastest candidate within the limit, replayed as run, other than the winner
+        (``None`` if there is none)."""
+        others = [c for c in self.candidates if c.fits and c.step_time is not None and c.source != self.source]
+        return min(others, key=lambda c: c.step_time or 0.0, default=None)
+
+    @property
+    def upstream(self) -> dict[str, Candidate]:
+        """Every upstream schedule class tried, by class name, with its simulated step as
+        run on the same costs, whether or not it fits the memory limit (``fits``)."""
+        return {c.source: c for c in self.candidates if c.is_upstream}
+
+    def summary(self) -> str:
+        """One line: which candidate won, its simulated step, by how much it beats the
+        runner-up, and the upstream schedules the memory limit left out."""
+        line = f"{self.source} ({self.placement} placement): simulated {self.step_time:.4g}"
+        up = self.runner_up
+        if up is not None and up.step_time:
+            line += f", {100 * (1 - self.step_time / up.step_time):.1f} % faster than the runner-up {up.source} " \
+                    f"({up.step_time:.4g})"
+        over = [c for c in self.upstream.values() if not c.fits]
+        if over:
+            line += "; over the memory limit: " + ", ".join(
+                f"{c.source} ({c.step_time:.4g}, peak {c.peak_bytes} bytes)" for c in over)
+        return line
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages ``rank`` holds, in increasing order."""
@@ -170,12 +207,14 @@ class _Greedy:
 
     def __init__(self, costs: PipelineCosts, rank_of: tuple[int, ...], n_mb: int, limit: int | None,
                  caps: Sequence[float], w_gap: float, f_gap: float) -> None:
-        self.costs, self.rank_of, self.n_mb = costs, rank_of, n_mb
+        self.costs, self.rank_of, self.n_mb = costs.stages, rank_of, n_mb
         self.limit = math.inf if limit is None else limit
         self.caps = caps
         self.w_gap, self.f_gap = w_gap, f_gap
         self.n_stages = len(costs)
         self.n_ranks = max(rank_of) + 1
+        # the hand-over between stage s and s + 1 (either way): free on one rank
+        self.hop = [0.0 if rank_of[s] == rank_of[s + 1] else costs[s].comm for s in range(self.n_stages - 1)]
         self.local = [[s for s in range(self.n_stages) if rank_of[s] == r] for r in range(self.n_ranks)]
         self.f_end: list[list[float | None]] = [[None] * n_mb for _ in range(self.n_stages)]
         self.i_end: list[list[float | None]] = [[None] * n_mb for _ in range(self.n_stages)]
@@ -200,14 +239,11 @@ class _Greedy:
                 raise ScheduleError(f"memory limit {limit} bytes is below one microbatch's activations "
                                     f"({need} bytes) on rank {r}")
 
-    def _hop(self, a: int, b: int) -> float:
-        return 0.0 if self.rank_of[a] == self.rank_of[b] else self.costs[min(a, b)].comm
-
     def _f_input(self, s: int, m: int) -> float | None:
         if s == 0:
             return 0.0
         t = self.f_end[s - 1][m]
-        return None if t is None else t + self._hop(s - 1, s)
+        return None if t is None else t + self.hop[s - 1]
 
     def _i_input(self, s: int, m: int) -> float | None:
         fwd = self.f_end[s][m]
@@ -216,7 +252,7 @@ class _Greedy:
         if s == self.n_stages - 1:
             return fwd
         t = self.i_end[s + 1][m]
-        return None if t is None else max(fwd, t + self._hop(s, s + 1))
+        return None if t is None else max(fwd, t + self.hop[s])
 
     def _lower_bound(self, producer: int, duration: float, hop: float, now: float) -> float:
         """Earliest arrival of an output whose producing action has not been scheduled yet."""
@@ -269,7 +305,7 @@ class _Greedy:
                 work_left = True
                 t = self._i_input(s, m)
                 if t is None and self.f_end[s][m] is not None:  # waiting for the gradient of stage s + 1
-                    bound = self._lower_bound(s + 1, self.costs[s + 1].i, self._hop(s, s + 1), now)
+                    bound = self._lower_bound(s + 1, self.costs[s + 1].i, self.hop[s], now)
                     soonest, urgent = min(soonest, bound), min(urgent, bound)
                 elif t is not None and t <= now:
                     ready_i.append((m, -s, s))
@@ -286,7 +322,7 @@ class _Greedy:
                 if t is not None and t <= now:
                     ready_f.append((-s, m, s))
                     continue
-                bound = t if t is not None else self._lower_bound(s - 1, self.costs[s - 1].f, self._hop(s - 1, s), now)
+                bound = t if t is not None else self._lower_bound(s - 1, self.costs[s - 1].f, self.hop[s - 1], now)
                 soonest = min(soonest, bound)
                 if moves_on:
                     urgent = min(urgent, bound)
@@ -403,6 +439,27 @@ def _flight_caps(n_ranks: int) -> list[tuple[int, ...] | None]:
     return caps + [None]
 
 
+def _upstream_seeds(costs: PipelineCosts, n_ranks: int, n_microbatches: int,
+                    placements: Sequence[str]) -> list[tuple[str, str, dict[int, list[Any]], Simulation]]:
+    """Every upstream schedule class that runs ``len(costs) // n_ranks`` stages per rank on
+    one of ``placements``, for these sizes: ``(class name, placement, compute-only order,
+    the replay of the lowered order its runtime runs)``. Classes that refuse the sizes are
+    left out (e.g. ``ScheduleDualPipeV`` with fewer microbatches than it needs)."""
+    per = len(costs) // n_ranks
+    seeds = []
+    for name in UPSTREAM_SCHEDULES:
+        try:
+            order = upstream_order(name, n_ranks, n_microbatches, lowered=False, stages_per_rank=per)
+            run = upstream_order(name, n_ranks, n_microbatches, lowered=True, stages_per_rank=per)
+            mapping = upstream_stage_to_rank(name, n_ranks, n_microbatches, stages_per_rank=per)
+        except (ValueError, AssertionError):
+            continue
+        placement = next((p for p in placements if stage_to_rank(p, n_ranks, per) == mapping), None)
+        if placement is not None:
+            seeds.append((name, placement, order, simulate(run, costs)))
+    return seeds
+
+
 def generate_schedule(
     costs: PipelineCosts,
     n_ranks: int,
@@ -436,21 +493,11 @@ def generate_schedule(
         if p not in PLACEMENTS:
             raise ValueError(f"unknown placement {p!r}; choose from {PLACEMENTS}")
     per = n_stages // n_ranks
+    # one placement (the last named) per distinct stage -> rank mapping: with one stage per rank all are one
+    mappings = {stage_to_rank(p, n_ranks, per): p for p in placements}
+    placements = [p for p in placements if mappings.get(stage_to_rank(p, n_ranks, per)) == p]
 
-    seeds: list[tuple[str, str, dict[int, list[Any]], Simulation]] = []
-    if include_upstream:
-        for p in placements:
-            for name in _SEEDS[p]:
-                if UPSTREAM_SCHEDULES[name] != per:
-                    continue
-                try:
-                    order = upstream_order(name, n_ranks, n_microbatches, lowered=False)
-                    run = upstream_order(name, n_ranks, n_microbatches, lowered=True)
-                except (ValueError, AssertionError):
-                    continue  # the class refuses these sizes (e.g. DualPipeV with too few microbatches)
-                if upstream_stage_to_rank(name, n_ranks, n_microbatches) != stage_to_rank(p, n_ranks, per):
-                    continue
-                seeds.append((name, p, order, simulate(run, costs)))
+    seeds = _upstream_seeds(costs, n_ranks, n_microbatches, placements) if include_upstream else []
     limit = memory_limit
     if limit is None:
         zero_bubble = [max(sim.peak_bytes) for name, _, _, sim in seeds if "ZeroBubble" in name]

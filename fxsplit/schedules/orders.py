@@ -26,8 +26,9 @@ __all__ = [
 
 Order = Mapping[int, Sequence[Any]]
 
-PLACEMENTS = ("v", "interleaved")
-# Upstream schedule classes this module builds orders for, with the stages each rank holds.
+PLACEMENTS = ("v", "interleaved", "contiguous")
+# Upstream schedule classes this module builds orders for, with the stages each rank holds when the
+# class is built as upstream builds it (upstream_order's stages_per_rank says which other counts each takes).
 UPSTREAM_SCHEDULES = {
     "Schedule1F1B": 1,
     "ScheduleInterleaved1F1B": 2,
@@ -36,6 +37,9 @@ UPSTREAM_SCHEDULES = {
     "ScheduleDualPipeV": 2,
 }
 RUNTIME_SCHEDULES = tuple(n for n, k in UPSTREAM_SCHEDULES.items() if k > 1)  # run by _PipelineScheduleRuntime
+# Classes whose stage count per rank is fixed (a V needs two stages per rank); the others take any count:
+# the interleaved ones hold that many stages, Schedule1F1B runs that many consecutive stages as one.
+_FIXED_STAGES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -62,9 +66,12 @@ def primitive_actions(act: Any) -> tuple[tuple[int, str, int | None], ...]:
 
 def stage_to_rank(placement: str, n_ranks: int, stages_per_rank: int) -> tuple[int, ...]:
     """The rank of every stage: ``"interleaved"`` (looped: stage ``s`` on rank
-    ``s % n_ranks``, as ``ScheduleInterleaved1F1B`` places them) or ``"v"`` (the
+    ``s % n_ranks``, as ``ScheduleInterleaved1F1B`` places them), ``"v"`` (the
     stages zig-zag over the ranks: rank ``r`` holds ``r`` and ``2 * n_ranks - 1 - r``
-    for two stages per rank, as ``ScheduleZBVZeroBubble`` places them)."""
+    for two stages per rank, as ``ScheduleZBVZeroBubble`` places them) or
+    ``"contiguous"`` (rank ``r`` holds the consecutive stages ``r * stages_per_rank``
+    onwards: a one-stage-per-rank schedule such as ``Schedule1F1B`` run over a finer
+    cut of the same model). With one stage per rank all three are the same."""
     if n_ranks < 1 or stages_per_rank < 1:
         raise ValueError(f"need at least one rank and one stage per rank, got {n_ranks} and {stages_per_rank}")
     n = n_ranks * stages_per_rank
@@ -72,6 +79,8 @@ def stage_to_rank(placement: str, n_ranks: int, stages_per_rank: int) -> tuple[i
         return tuple(s % n_ranks for s in range(n))
     if placement == "v":
         return tuple(s % n_ranks if (s // n_ranks) % 2 == 0 else n_ranks - 1 - s % n_ranks for s in range(n))
+    if placement == "contiguous":
+        return tuple(s // stages_per_rank for s in range(n))
     raise ValueError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
 
 
@@ -102,34 +111,71 @@ def one_f_one_b_order(n_stages: int, n_microbatches: int) -> dict[int, list[Any]
 
 
 @functools.lru_cache(maxsize=64)
-def _upstream(name: str, n_ranks: int, n_microbatches: int) -> tuple[Any, Any, tuple[int, ...]]:
-    per = UPSTREAM_SCHEDULES[name]
-    compute, lowered, mapping = ti.upstream_schedule_orders(name, n_ranks, n_microbatches, per)
-    freeze = lambda o: None if o is None else tuple((r, tuple(o[r])) for r in sorted(o))  # noqa: E731
-    return freeze(compute), freeze(lowered), tuple(mapping[s] for s in range(n_ranks * per))
+def _upstream(name: str, n_ranks: int, n_microbatches: int, per: int) -> tuple[Any, Any, tuple[int, ...]]:
+    """(compute-only order, lowered order, placement), frozen for the cache."""
+    freeze = lambda o: tuple((r, tuple(o[r])) for r in sorted(o))  # noqa: E731
+    if name == "Schedule1F1B":
+        compute = _one_f_one_b_over(n_ranks, n_microbatches, per)
+        lowered = lower(compute, n_ranks, n_microbatches)
+        return freeze(compute), freeze(lowered), stage_to_rank("contiguous", n_ranks, per)
+    compute, low, mapping = ti.upstream_schedule_orders(name, n_ranks, n_microbatches, per)
+    return freeze(compute), freeze(low), tuple(mapping[s] for s in range(n_ranks * per))
 
 
-def upstream_order(name: str, n_ranks: int, n_microbatches: int, lowered: bool = True) -> dict[int, list[Any]]:
+def _one_f_one_b_over(n_ranks: int, n_microbatches: int, per: int) -> dict[int, list[Any]]:
+    """:func:`one_f_one_b_order` with each rank's one stage run as ``per`` consecutive
+    stages: its forward as their forwards in order, its backward as their backwards
+    in reverse. Replayed with the fine stages' costs this is ``Schedule1F1B`` on the
+    coarse cut (:meth:`PipelineCosts.merged`): the hand-over inside a rank is free."""
+    order: dict[int, list[Any]] = {}
+    for r, acts in one_f_one_b_order(n_ranks, n_microbatches).items():
+        fine: list[Any] = []
+        for a in acts:
+            ((_, kind, mb),) = primitive_actions(a)
+            stages = range(r * per, (r + 1) * per)
+            fine += [action(s, kind, mb) for s in (stages if kind == "F" else reversed(stages))]
+        order[r] = fine
+    return order
+
+
+def _stages_per_rank(name: str, stages_per_rank: int | None) -> int:
+    if name not in UPSTREAM_SCHEDULES:
+        raise ValueError(f"no action order for {name!r}; choose one of {sorted(UPSTREAM_SCHEDULES)}")
+    per = UPSTREAM_SCHEDULES[name] if stages_per_rank is None else stages_per_rank
+    if per < 1 or (name in _FIXED_STAGES and per != UPSTREAM_SCHEDULES[name]):
+        raise ValueError(f"{name} cannot run {per} stages per rank")
+    return per
+
+
+def upstream_order(name: str, n_ranks: int, n_microbatches: int, lowered: bool = True,
+                   stages_per_rank: int | None = None) -> dict[int, list[Any]]:
     """The action order of upstream's schedule class ``name`` (a key of
     :data:`UPSTREAM_SCHEDULES`) for ``n_ranks`` ranks, computed by the class itself:
     the lowered order its runtime executes, or (``lowered=False``) its compute-only
-    ``pipeline_order``. ``Schedule1F1B`` has no runtime IR: its order is
-    :func:`one_f_one_b_order`. Raises ``ValueError`` for a name not listed or sizes
-    the class refuses."""
-    if name not in UPSTREAM_SCHEDULES:
-        raise ValueError(f"no action order for {name!r}; choose one of {sorted(UPSTREAM_SCHEDULES)}")
-    if name == "Schedule1F1B":
-        return one_f_one_b_order(n_ranks, n_microbatches)
-    compute, low, _ = _upstream(name, n_ranks, n_microbatches)
+    ``pipeline_order``.
+
+    ``stages_per_rank`` (default: the class's own count) builds the interleaved
+    classes with that many stages per rank, and runs ``Schedule1F1B`` over that
+    many consecutive stages per rank (``"contiguous"`` placement; see
+    :func:`_one_f_one_b_over`). ``Schedule1F1B`` has no runtime IR: its
+    compute-only order is :func:`one_f_one_b_order`, and its lowered order is that
+    order lowered as ``_PipelineScheduleRuntime`` lowers a loaded schedule (each
+    receive posted just before the action that needs it, as ``Schedule1F1B``'s own
+    loop posts them). Raises ``ValueError`` for a name not listed or sizes the class
+    refuses."""
+    per = _stages_per_rank(name, stages_per_rank)
+    try:
+        compute, low, _ = _upstream(name, n_ranks, n_microbatches, per)
+    except AssertionError as e:  # upstream's validation refusing the sizes
+        raise ValueError(f"{name} refuses {n_ranks} ranks x {per} stages, {n_microbatches} microbatches: {e}") from e
     chosen = low if lowered else compute
     return {r: list(a) for r, a in chosen}
 
 
-def upstream_stage_to_rank(name: str, n_ranks: int, n_microbatches: int) -> tuple[int, ...]:
+def upstream_stage_to_rank(name: str, n_ranks: int, n_microbatches: int,
+                           stages_per_rank: int | None = None) -> tuple[int, ...]:
     """Where upstream's ``name`` places each stage (its ``stage_index_to_group_rank``)."""
-    if name == "Schedule1F1B":
-        return tuple(range(n_ranks))
-    return _upstream(name, n_ranks, n_microbatches)[2]
+    return _upstream(name, n_ranks, n_microbatches, _stages_per_rank(name, stages_per_rank))[2]
 
 
 def lower(order: Order, n_ranks: int, n_microbatches: int) -> dict[int, list[Any]]:
