@@ -25,7 +25,7 @@ import torch
 from fxsplit import cli
 from fxsplit.bench import pipeline, pipeline_report
 from fxsplit.bench.pipeline_rank import CONFIGS
-from fxsplit.schedules import PipelineCosts, generate_schedule
+from fxsplit.schedules import PipelineCosts, StageCosts, generate_schedule, simulate, upstream_order
 from fxsplit.schedules.orders import primitive_actions
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -42,18 +42,18 @@ def _generated(placement: str) -> Any:
 
 
 def test_generated_schedule_runs_on_two_ranks() -> None:
-    """Two generated schedules (V and interleaved placement, the greedy's own orders) run by
+    """Three generated schedules (V, interleaved and contiguous placement, the greedy's own orders) run by
     upstream's _PipelineScheduleRuntime over fxsplit stages: losses and gradients match the
     reference (checked in-rank), and every stage and microbatch ran B or I then W as ordered."""
     if harness.upstream_schedule_failure("ScheduleZBVZeroBubble") is not None:
         pytest.skip(harness.upstream_schedule_failure("ScheduleZBVZeroBubble"))
-    gens = {p: _generated(p) for p in ("v", "interleaved")}
+    gens = {p: _generated(p) for p in ("v", "interleaved", "contiguous")}
     for gen in gens.values():
         assert gen.source.startswith("greedy(")
     kinds = {p: collections.Counter(k for acts in g.order.values() for a in acts if a for _, k, _ in primitive_actions(a))
              for p, g in gens.items()}
     assert kinds["v"]["B"] > 0 and kinds["v"]["I"] > 0 and kinds["v"]["W"] == kinds["v"]["I"]
-    cases = [harness.Case("generated", generated=gens[p]) for p in ("v", "interleaved")]
+    cases = [harness.Case("generated", generated=gen) for gen in gens.values()]
     per_rank = harness.run_world(cases, timeout_s=300)
     for k, (placement, gen) in enumerate(gens.items()):
         results = [per_rank[r][k] for r in range(2)]
@@ -181,7 +181,8 @@ def test_quick_json(quick_run: tuple[dict[str, Any], str, pathlib.Path]) -> None
         if row["backend"] != "fxsplit":
             assert runs == {"di_runs": 0, "dw_runs": 0, "fused_runs": 0}, row["key"]
         else:  # every I ran a dI graph and every W a dW graph; B (DualPipeV, a merged pair) the fused one
-            assert runs["di_runs"] == runs["dw_runs"] > 0, row["key"]
+            assert runs["di_runs"] == runs["dw_runs"], row["key"]
+            assert runs["di_runs"] > 0 or row["schedule"] == "generated", row["key"]  # it may choose all B
             assert runs["di_runs"] + runs["fused_runs"] == 2 * 4 * 4, row["key"]  # steps x stages x microbatches
     assert r["ratios"][r["reference"]]["median"] == 1.0
     assert [c["stage"] for c in r["costs"]] == [0, 1, 2, 3]
@@ -191,6 +192,25 @@ def test_quick_json(quick_run: tuple[dict[str, Any], str, pathlib.Path]) -> None
         assert c["activation_bytes"] > 0 and c["live_in_bytes"] > 0
     g = r["generated"]
     assert sorted(g["stage_to_rank"]) == [0, 0, 1, 1] and g["candidates"]
+    # every row's simulated step is one replay of one cost table, the generator's: the generated row is
+    # never slower than an upstream row within its memory limit
+    probe = PipelineCosts(tuple(StageCosts(**c) for c in g["probe_costs"]))
+    mbs = r["settings"]["microbatches"]
+    generated_row = next(row for row in r["rows"] if row["schedule"] == "generated")
+    assert generated_row["simulated_step_ms"] == pytest.approx(g["simulated_step_ms_at_generation"])
+    for row in r["rows"]:
+        if row["schedule"] == "generated":
+            continue
+        replay = simulate(upstream_order(row["schedule"], 2, mbs, lowered=True, stages_per_rank=2), probe)
+        assert row["simulated_step_ms"] == pytest.approx(replay.step_time), row["key"]
+        assert row["over_memory_limit"] == (max(replay.peak_bytes) > g["memory_limit_bytes"]), row["key"]
+        if not row["over_memory_limit"]:
+            assert generated_row["simulated_step_ms"] <= row["simulated_step_ms"] + 1e-9, row["key"]
+    for row in r["scaling"]["rows"]:
+        same = [x for x in r["scaling"]["rows"] if x["stages"] == row["stages"]
+                and x["microbatches"] == row["microbatches"] and x["schedule"] == "generated"]
+        if row["step_ms"] is not None and not row["over_memory_limit"]:
+            assert same[0]["step_ms"] <= row["step_ms"] + 1e-9, row
     assert r["scaling"]["rows"] and {row["stages"] for row in r["scaling"]["rows"]} == {8}
     assert all(_finite(row["step_ms"]) for row in r["scaling"]["rows"])
     assert set(r["timeline"]) == {c.key for c in CONFIGS}
@@ -200,6 +220,7 @@ def test_quick_prints_progress_and_tables(quick_run: tuple[dict[str, Any], str, 
     _, text, out = quick_run
     assert "[fxsplit bench] spawning 2 ranks (gloo)" in text
     assert "SIMULATED from the measured costs" in text and f"wrote {out}" in text
+    assert "generated schedule: " + quick_run[0]["generated"]["summary"] in text
 
 
 def test_charts(quick_run: tuple[dict[str, Any], str, pathlib.Path], tmp_path: pathlib.Path) -> None:

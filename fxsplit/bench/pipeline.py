@@ -8,9 +8,15 @@ records into the result written as JSON:
   the median step time and its IQR (the slowest rank's ``schedule.step()``
   between barriers, over the timed rounds), the bubble (per rank: 1 - the time
   in ``F``/``I``/``B``/``W`` actions / the step time; the median over rounds,
-  then the mean over ranks), the peak memory (highest rank), and the step time
-  :func:`fxsplit.schedules.simulate` predicts from the configuration's own
-  median action times and the measured hand-over latency, with its error;
+  then the mean over ranks), the peak memory (highest rank), and two simulated
+  step times with their error against the measured one:
+  ``simulated_step_ms``, the generator's own replay of that schedule on the
+  costs it generated from (the same simulation for every row, so the generated
+  row is never slower than an upstream row that fits the memory limit;
+  ``over_memory_limit`` marks one that does not), and
+  ``own_simulated_step_ms``, :func:`fxsplit.schedules.simulate` with the
+  configuration's own median action times (how well the simulator predicts a
+  run from its action times);
 * ``ratios``: every configuration's step time over ``Schedule1F1B`` with
   Inductor's in the same round (median and quartiles);
 * ``costs``: per stage of the two-stages-per-rank cut, ``f_ms``, ``b_ms``
@@ -43,7 +49,7 @@ from fxsplit.bench.progress import Progress
 from fxsplit.bench.settings import device_name
 from fxsplit.bench.timing import stats
 from fxsplit.schedules import (
-    PipelineCosts, ScheduleError, StageCosts, generate_schedule, one_f_one_b_order, simulate, upstream_order,
+    PipelineCosts, ScheduleError, StageCosts, generate_schedule, simulate, upstream_order,
 )
 
 __all__ = ["PipelineSettings", "REFERENCE", "SCALING_MICROBATCHES", "SCALING_RANKS", "run", "scaling_table"]
@@ -162,30 +168,49 @@ def _order_of(schedule: str, ranks: int, microbatches: int, generated: Any) -> d
     return upstream_order(schedule, ranks, microbatches, lowered=True)
 
 
+def _on_generator_costs(schedule: str, generated: Any) -> tuple[float | None, bool]:
+    """``(step, over the memory limit)`` of ``schedule`` as the generator replayed it on
+    the costs it generated from (``None`` where the generator had no such candidate:
+    a class that refuses the sizes)."""
+    if schedule == "generated":
+        return generated.step_time, False
+    cand = generated.upstream.get(schedule)
+    return (None, False) if cand is None else (cand.step_time, not cand.fits)
+
+
 def scaling_table(costs: PipelineCosts, ranks: Sequence[int] = SCALING_RANKS,
                   microbatches: Sequence[int] = SCALING_MICROBATCHES,
                   say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Simulated step time and bubble of each schedule of :data:`SCALING_SCHEDULES` for
     ``2 * ranks`` stages and each number of microbatches, from ``costs`` measured on
     the two-stages-per-rank cut (:meth:`PipelineCosts.extended_to`: more stages of
-    the measured size; ``Schedule1F1B`` gets one stage per rank, two of them merged,
-    and runs full backwards). A schedule that refuses the sizes gets ``None``."""
+    the measured size; ``Schedule1F1B`` runs each rank's two consecutive stages as one,
+    with full backwards). Every upstream row is the generator's own candidate for
+    those sizes (the same replay), ``over_memory_limit`` where the generator's
+    memory limit left it out. A schedule that refuses the sizes gets ``None``."""
     rows = []
     for p in ranks:
         fine = costs.extended_to(2 * p)
         for m in microbatches:
             t0 = time.perf_counter()
+            try:
+                gen = generate_schedule(fine, p, m)
+            except (ValueError, ScheduleError) as e:
+                gen, refused = None, str(e).splitlines()[0][:200]
             for name in SCALING_SCHEDULES:
                 row: dict[str, Any] = {"ranks": p, "stages": 2 * p, "microbatches": m, "schedule": name,
-                                       "step_ms": None, "bubble": None, "peak_bytes": None, "source": None}
+                                       "step_ms": None, "bubble": None, "peak_bytes": None, "source": None,
+                                       "over_memory_limit": False}
                 try:
-                    if name == "Schedule1F1B":
-                        sim = simulate(one_f_one_b_order(p, m), fine.merged(2))
-                    elif name == "generated":
-                        gen = generate_schedule(fine, p, m)
+                    if gen is None:
+                        raise ValueError(refused)
+                    if name == "generated":
                         sim, row["source"] = gen.simulation, gen.source
-                    else:
-                        sim = simulate(upstream_order(name, p, m, lowered=True), fine)
+                    else:  # the generator's own replay of the class's order, so the rows compare like for like
+                        if name not in gen.upstream:
+                            raise ValueError(f"{name} refuses {p} ranks and {m} microbatches")
+                        sim = simulate(upstream_order(name, p, m, lowered=True, stages_per_rank=2), fine)
+                        row["over_memory_limit"] = not gen.upstream[name].fits
                 except (ValueError, AssertionError, ScheduleError) as e:
                     row["refused"] = str(e).splitlines()[0][:200]
                 else:
@@ -229,10 +254,11 @@ def run(settings: PipelineSettings, progress: Progress | None = None) -> dict[st
         n_stages = rank0["n_stages"][key]
         sim_costs = _config_costs(durations, n_stages, comm)
         if c.schedule == "Schedule1F1B":
-            order = one_f_one_b_order(n_stages, m)
+            order = upstream_order("Schedule1F1B", n_stages, m, lowered=True)
         else:
             order = _order_of(c.schedule, p, m, generated)
-        sim = simulate(order, sim_costs)
+        own = simulate(order, sim_costs)
+        shared, over_limit = _on_generator_costs(c.schedule, generated)
         median_round = sorted(range(reps), key=lambda i: steps[i])[(reps - 1) // 2]
         timeline[key] = [[list(a) for a in rec["actions"][key][median_round]] for rec in records]
         ratio = [t / r for t, r in zip(steps, step_of[REFERENCE])]
@@ -243,8 +269,10 @@ def run(settings: PipelineSettings, progress: Progress | None = None) -> dict[st
             "bubble": sum(bubbles) / len(bubbles), "bubble_per_rank": bubbles,
             "peak_bytes": max(rec["peak_bytes"][key] for rec in records),
             "peak_bytes_per_rank": [rec["peak_bytes"][key] for rec in records],
-            "simulated_step_ms": sim.step_time, "simulated_bubble": sim.mean_bubble,
-            "simulated_error_pct": 100.0 * (sim.step_time - st["median_ms"]) / st["median_ms"],
+            "simulated_step_ms": shared, "over_memory_limit": over_limit,
+            "simulated_error_pct": None if shared is None else 100.0 * (shared - st["median_ms"]) / st["median_ms"],
+            "own_simulated_step_ms": own.step_time, "own_simulated_bubble": own.mean_bubble,
+            "own_simulated_error_pct": 100.0 * (own.step_time - st["median_ms"]) / st["median_ms"],
             "ratio_to_reference": ratios[key]["median"],
             "stages": n_stages, "stages_of_rank": [rec["stages"][key] for rec in records],
             "step_samples_ms": steps,
@@ -291,7 +319,8 @@ def run(settings: PipelineSettings, progress: Progress | None = None) -> dict[st
         "ratios": ratios,
         "costs": costs_rows,
         "generated": {
-            "source": generated.source, "placement": generated.placement,
+            "source": generated.source, "placement": generated.placement, "summary": generated.summary(),
+            "runner_up": None if generated.runner_up is None else dataclasses.asdict(generated.runner_up),
             "stage_to_rank": list(generated.stage_to_rank), "memory_limit_bytes": generated.memory_limit,
             "simulated_step_ms_at_generation": generated.simulation.step_time,
             "order": {str(r): [str(a) for a in acts] for r, acts in generated.order.items()},
@@ -301,7 +330,9 @@ def run(settings: PipelineSettings, progress: Progress | None = None) -> dict[st
         "scaling": {"ranks": list(scaling_ranks), "microbatches": list(scaling_mbs), "rows": scaling,
                     "note": "simulated (fxsplit.schedules.simulate) from the measured per-stage costs: the first and "
                             "last stage as measured, every other stage the median of the measured middle stages; "
-                            "Schedule1F1B on one stage per rank (two merged) with Inductor's full backward"},
+                            "Schedule1F1B runs each rank's two consecutive stages as one, with Inductor's full "
+                            "backward; every upstream row is the generator's own replay of that schedule; '*': over "
+                            "the generator's memory limit, not a candidate"},
         "timeline": timeline,
         "methods": _methods(dev),
     }
@@ -323,8 +354,11 @@ def _methods(device: torch.device) -> dict[str, str]:
         "peak_bytes": "one extra step per configuration inside fxsplit.bench.memory.MemoryMeter ("
                       + ("CPU allocator events from torch.profiler" if cpu else "torch.cuda.max_memory_allocated")
                       + "): highest bytes above the level before the step, highest rank",
-        "simulated": "fxsplit.schedules.simulate on the configuration's lowered action order (Schedule1F1B: the order "
-                     "its runtime runs) with its own median action times per stage and kind and comm_ms",
+        "simulated": "the generator's own replay (fxsplit.schedules.simulate) of the configuration's lowered action "
+                     "order on the probe costs it generated from: one simulation of one cost table for every row",
+        "own_simulated": "fxsplit.schedules.simulate on the configuration's lowered action order (Schedule1F1B: its "
+                         "order lowered as _PipelineScheduleRuntime lowers it) with its own median action times per "
+                         "stage and kind and comm_ms",
         "comm_ms": "half the round trip of one microbatch activation between ranks 0 and 1 (dist.send/recv, 20 "
                    "round trips)",
         "costs": "f_ms, b_ms (I), w_ms: ScheduleZBVZeroBubble+fxsplit's median action times; full_backward_ms: "
