@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import fxsplit
+from fxsplit.bench.settings import provenance
 from benchmarks.split_table import CONFIGS
 
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "what": "B's host time (Inductor: the whole backward's) and the whole backward's device time, ms",
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "config": name, "dtype": str(dtype),
         "torch_version": torch.__version__, "reps": args.reps, "gradients_bitwise_engine_vs_direct": bitwise,
-        "rows": {},
+        "rows": {}, **provenance(" ".join(["python -m benchmarks.direct_b", *sys.argv[1:]])),
     }
     print(f"{name} on {result['device']}, torch {torch.__version__}, {args.reps} interleaved rounds; "
           f"gradients bitwise engine vs direct: {bitwise}")

@@ -38,6 +38,7 @@ import torch
 
 import fxsplit
 from fxsplit.bench.models import ModelConfig, build
+from fxsplit.bench.settings import provenance
 
 # name -> (model config, what the issue measured it for)
 CONFIGS: dict[str, ModelConfig] = {
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(dtype).removeprefix("torch."), "torch_version": torch.__version__,
         "fxsplit_version": fxsplit.__version__, "reps": args.reps, "warmup": args.warmup, "rows": {},
     }
+    result.update(provenance(" ".join(["python -m benchmarks.split_table", *sys.argv[1:]])))
     for n in names:
         try:
             result["rows"][n] = measure(n, CONFIGS[n], device, dtype, args.reps, args.warmup, say)

@@ -11,6 +11,7 @@ LayerNorm-Linear-GELU-Linear block with a residual:
 
     python -m benchmarks.stage_shapes                      # every shape, Inductor
     python -m benchmarks.stage_shapes --shapes base,first_stage --compiler eager
+    python -m benchmarks.stage_shapes --out benchmarks/results/cpu-stage-shapes.json
 
 Shapes: ``base``; ``frozen`` (a weight that needs no gradient, given to B and
 W); ``unused`` (a parameter the forward never uses); ``tied`` (one Linear used
@@ -26,7 +27,9 @@ wrappers are counted too, as in an ordinary backward).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 import fxsplit
 from benchmarks.host_overhead import _lines_run
+from fxsplit.bench.settings import provenance
 
 D = 16
 
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
                    help="the graphs' compiler (eager: FX graphs as they are; W's commits may differ: "
                         "their gradients' layouts are not Inductor's)")
+    p.add_argument("--out", type=Path, help="also write the counts as JSON (with the command and code revision)")
     args = p.parse_args(argv)
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
@@ -130,6 +135,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         r = result[shape] = count(shape, args.compiler)
         print(f"  {shape:13s} B {r['b_lines']:5d}  W {r['w_lines']:5d}  regions {r['regions']}  "
               f"direct calls {r['direct_b_runs']}", flush=True)
+    if args.out is not None:
+        command = " ".join(["python -m benchmarks.stage_shapes", *(sys.argv[1:] if argv is None else argv)])
+        doc = {"what": "lines of Python outside the compiled graphs, one B and one W after two warm-up microbatches",
+               "compiler": args.compiler, "device": "cpu (line counts do not depend on the machine)",
+               "shapes": result, **provenance(command)}
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.out}")
     return result
 
 

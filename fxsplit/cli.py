@@ -103,8 +103,9 @@ def bench(argv: Sequence[str] | None = None, prog: str = "fxsplit bench") -> int
     """
     from fxsplit.bench import chart, report
     from fxsplit.bench import run as bench_run
-    from fxsplit.bench.settings import settings_from_args
+    from fxsplit.bench.settings import provenance, settings_from_args
 
+    argv = list(sys.argv[2:] if argv is None else argv)
     if "--pipeline" in (argv or ()):  # the multi-rank benchmark has options of its own
         from fxsplit import cli_pipeline
 
@@ -112,6 +113,7 @@ def bench(argv: Sequence[str] | None = None, prog: str = "fxsplit bench") -> int
     parser = build_bench_parser(prog)
     settings = settings_from_args(parser.parse_args(argv), parser)
     result = bench_run.run(settings)
+    result.update(provenance(" ".join([prog, *argv])))
     print()
     print(report.format_table(result))
     out = settings.out

@@ -159,11 +159,13 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
 def bench_pipeline(argv: Sequence[str], prog: str = "fxsplit bench --pipeline") -> int:
     """``fxsplit bench --pipeline``: check the options, run, print the tables, write JSON and charts."""
     from fxsplit.bench import pipeline, pipeline_report
+    from fxsplit.bench.settings import provenance
 
     parser = build_pipeline_parser(prog)
     args = parser.parse_args(argv)
     settings, out = settings_from_args(args, parser)
     result = pipeline.run(settings)
+    result.update(provenance(" ".join([prog, *argv])))
     print()
     print(pipeline_report.format_table(result))
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")

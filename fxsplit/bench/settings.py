@@ -169,6 +169,28 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     )
 
 
+def provenance(command: str) -> dict[str, str]:
+    """What every results file records about where it came from: ``command`` (as run),
+    ``code_revision`` (the checkout's commit, ``+dirty`` when tracked files differ from
+    it; ``fxsplit <version>`` for an installed copy outside a checkout), ``torch_version``."""
+    import subprocess
+
+    import fxsplit
+
+    here = Path(__file__).resolve().parent
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, check=True,
+                                  timeout=10).stdout.strip()
+
+        revision = git("rev-parse", "--short=7", "HEAD")
+        if git("status", "--porcelain", "--untracked-files=no"):
+            revision += "+dirty"
+    except (OSError, subprocess.SubprocessError):
+        revision = f"fxsplit {fxsplit.__version__}"
+    return {"command": command, "code_revision": revision, "torch_version": torch.__version__}
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
