@@ -112,8 +112,9 @@ def bench(argv: Sequence[str] | None = None, prog: str = "fxsplit bench") -> int
         return cli_pipeline.bench_pipeline([a for a in argv if a != "--pipeline"], prog=f"{prog} --pipeline")
     parser = build_bench_parser(prog)
     settings = settings_from_args(parser.parse_args(argv), parser)
+    origin = provenance(" ".join([prog, *argv]))  # before the run: the code it measures
     result = bench_run.run(settings)
-    result.update(provenance(" ".join([prog, *argv])))
+    result.update(origin)
     print()
     print(report.format_table(result))
     out = settings.out
