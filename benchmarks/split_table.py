@@ -1,6 +1,6 @@
 """B + W against the fused backward, with and without CUDA graphs, over stage sizes.
 
-For each stage size (issue 27's table): Inductor's ordinary backward, fxsplit's
+For each stage size: Inductor's ordinary backward, fxsplit's
 B then W, and the same two compiled with ``mode="reduce-overhead"`` (CUDA
 graphs: Inductor's cudagraph trees; fxsplit's slots for dI and dW), timed side
 by side in interleaved rounds (each round starts with another mode), warm-ups

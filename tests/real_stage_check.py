@@ -1,5 +1,5 @@
 """Check a pipeline stage at changing sequence lengths: B then W, ordinary
-backward, eager autograd and FLOPs (issue 8, item 4).
+backward, eager autograd and FLOPs.
 
 :func:`check_stage` compiles a stage once with fxsplit (``fallback="error"``)
 and runs it at the case's sequence lengths in a row, so Dynamo recompiles the

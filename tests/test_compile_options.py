@@ -1,4 +1,4 @@
-"""``torch.compile(m, backend="fxsplit", mode=..., options=...)`` (issue 27): accepted,
+"""``torch.compile(m, backend="fxsplit", mode=..., options=...)``: accepted,
 meaning what they mean for ``backend="inductor"``, and forwarded to every graph
 of the region; a bad one is a clear error, never a ``TypeError`` from inside Dynamo.
 """

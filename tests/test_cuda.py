@@ -291,7 +291,7 @@ def test_eager_split_of_an_uncompiled_stage() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
-# -- CUDA graphs (issue 27) ----------------------------------------------------------------------
+# -- CUDA graphs (mode="reduce-overhead") ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -458,7 +458,7 @@ def test_bench_quick_on_cuda(tmp_path: Path) -> None:
         assert m["backward_ms"] > 0 and m["forward_ms"] > 0, m["key"]
 
 
-# -- expert parallelism (issue 28) -----------------------------------------------------------------
+# -- expert parallelism ----------------------------------------------------------------------------
 
 
 def test_expert_parallel_stage_with_nccl_and_grouped_mm() -> None:

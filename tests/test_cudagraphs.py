@@ -1,4 +1,4 @@
-"""CUDA graphs for the dI and dW graphs (issue 27, ``mode="reduce-overhead"``), on any device.
+"""CUDA graphs for the dI and dW graphs (``mode="reduce-overhead"``), on any device.
 
 The slot logic of :mod:`fxsplit.cudagraphs` runs here through
 :class:`~fxsplit.cudagraphs.SimulatedCapture`: a "replay" writes the captured

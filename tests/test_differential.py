@@ -1,4 +1,4 @@
-"""A randomized differential test: B then W against ordinary backward (issue 19).
+"""A randomized differential test: B then W against ordinary backward.
 
 Each seed builds a random stage from a grammar of what people train (``_BLOCKS``:
 Linear with and without bias, a weight shared between blocks, frozen and
@@ -140,7 +140,7 @@ class Views(nn.Module):
 
 
 class Chunk(nn.Module):
-    """One half to the input-gradient chain, the other to a weight product (issue 22)."""
+    """One half to the input-gradient chain, the other to a weight product (an op whose one call yields both)."""
 
     def __init__(self, rng: random.Random) -> None:
         super().__init__()
@@ -266,7 +266,7 @@ class Stage(nn.Module):
             return h, self.tail(h).sum(-1)
         if self.output == "dict":
             return {"out": self.tail(h), "mean": h.mean(1)}
-        if self.output == "eager_tail":  # the stage output h also feeds eager weight code (issue 22)
+        if self.output == "eager_tail":  # the stage output h also feeds eager weight code
             return {"out": torch.tanh(_eager_linear(self.tail, h)), "h": h}
         if self.output == "shared_head":
             return self.shared(h)

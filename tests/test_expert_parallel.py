@@ -1,4 +1,4 @@
-"""Expert parallelism x pipeline parallelism (issue 28): a 2 x 2 (``pp`` x ``ep``) mesh on CPU
+"""Expert parallelism x pipeline parallelism: a 2 x 2 (``pp`` x ``ep``) mesh on CPU
 with gloo, MoE stages whose tokens reach their experts through torchtitan's all-to-all token
 dispatcher, compiled in place with fxsplit (``fallback="error"``) and driven by upstream's
 zero-bubble schedules for two steps (``tests/ep_harness.py`` has the setup).

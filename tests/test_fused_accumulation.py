@@ -1,4 +1,4 @@
-"""Fused gradient accumulation (issue 11 item 2): where a weight already has a
+"""Fused gradient accumulation: where a weight already has a
 ``.grad``, W adds its gradient into it inside the compiled dW graph.
 
 Every test runs several microbatches of B then W on a stage and ordinary

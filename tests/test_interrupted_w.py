@@ -1,4 +1,4 @@
-"""A W interrupted at any operator loses nothing (issue 19).
+"""A W interrupted at any operator loses nothing.
 
 Every operator W dispatches is, in turn, made to raise (a ``TorchDispatchMode``
 that raises at the k-th call: an error, ``KeyboardInterrupt`` or out of

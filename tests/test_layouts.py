@@ -1,4 +1,4 @@
-"""Layouts where two compiled graphs meet (issue 26): whatever the compiled dI
+"""Layouts where two compiled graphs meet: whatever the compiled dI
 graph returns for a live-in or an input gradient (another rank, other strides,
 a storage offset, a view of a larger buffer), W gives ordinary backward's
 gradients.

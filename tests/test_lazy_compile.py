@@ -1,4 +1,4 @@
-"""Compile what is used (issue 11 item 4): a region compiles its fused backward
+"""Compile what is used: a region compiles its fused backward
 on the first ordinary backward and its dI/dW pair on the first B, never with
 the forward (unless ``lazy_compile=False``).
 

@@ -1,4 +1,4 @@
-"""The pipeline step time (issue 20): a generated schedule run for real on 2 gloo ranks, and
+"""The pipeline step time: a generated schedule run for real on 2 gloo ranks, and
 ``fxsplit bench --pipeline``: its option errors and a ``--quick`` smoke run.
 
 The real run goes through tests/pipeline_harness.py: every rank compares each microbatch loss

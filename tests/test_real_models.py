@@ -1,4 +1,4 @@
-"""Transformer-style stages at changing sequence lengths (issue 8, item 4).
+"""Transformer-style stages at changing sequence lengths.
 
 Every stage of ``zoo.STAGE_CASES`` (Llama-, GPT-2- and MoE-style blocks, as a
 middle and a last stage, float32 and bfloat16 autocast) is compiled with

@@ -1,5 +1,5 @@
 """Autograd is the contract: whatever ordinary backward lets a user observe is
-observed the same way after B then W (issue 9).
+observed the same way after B then W.
 
 Every test runs a stage two ways side by side: ordinary backward on an
 identical copy (the reference), and B then W through fxsplit, on an eager

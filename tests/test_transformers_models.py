@@ -1,5 +1,5 @@
 """transformers models built from small configs (random init, nothing
-downloaded), split by fxsplit at changing sequence lengths (issue 8, item 4).
+downloaded), split by fxsplit at changing sequence lengths.
 
 Each model is a pipeline stage fed hidden states that require grad
 (``inputs_embeds``): a *middle* stage is the base model returning its last

@@ -18,7 +18,7 @@ Small helpers shared by the test modules are at the bottom:
 :func:`grad_outputs` (outputs requiring grad, flattened), :func:`make_grads`,
 :func:`clone_inputs`, :func:`forward`.
 
-Transformer-style stages (issue 8) are in :data:`STAGE_CASES`, kept apart
+Transformer-style stages are in :data:`STAGE_CASES`, kept apart
 from :data:`CASES` because they run at several sequence lengths: a Llama-,
 a GPT-2- and two MoE-style blocks (experts through ``F.grouped_mm`` or
 through the custom op ``fxsplit_test::expert_mm``, whose backward is a second
@@ -463,7 +463,7 @@ RULE_HALVES: dict[Any, Any] = {
 }
 
 
-# ---------------------------------------------------------------- transformer stages (issue 8)
+# ---------------------------------------------------------------- transformer stages ----------
 
 DIM, HEADS, KV_HEADS, HIDDEN, EXPERTS, TOP_K, VOCAB, BATCH = 32, 4, 2, 48, 4, 2, 40, 2
 # Odd sequence lengths: no token count (batch * seq, or * top_k) equals a

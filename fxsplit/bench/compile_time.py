@@ -1,4 +1,4 @@
-"""Compile time per way of using a compiled stage (issue 11 item 4).
+"""Compile time per way of using a compiled stage (split only, ordinary backward only).
 
 Three users of the same stage, each compiled from scratch (a fresh
 ``torch._dynamo.reset()`` and, unless the caches are meant to be warm, a

@@ -1,4 +1,4 @@
-"""Memory between B and W, per stage layout (issue 12's benchmark figures).
+"""Memory between B and W, per stage layout.
 
 For three layouts of the benchmark model (the body):
 
@@ -403,7 +403,7 @@ def measure_memory_layouts(base: nn.Module, make_hidden: Callable[[], torch.Tens
 
 
 def memory_targets(section: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Verdicts of issue 12's targets from the ``memory`` section (exact figures: no spread)."""
+    """Verdicts of the memory targets from the ``memory`` section (exact figures: no spread)."""
     out: dict[str, dict[str, Any]] = {}
     fx = [r for r in section["rows"] if r["variant"] == "fxsplit"]
     worst = max(fx, key=lambda r: r["alive_bytes"] / max(r["declared_bytes"] or 1, 1))
