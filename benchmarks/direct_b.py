@@ -31,11 +31,11 @@ import torch
 import fxsplit
 from fxsplit.bench.settings import provenance
 from benchmarks.split_table import CONFIGS
+from fxsplit.bench.stats import spread
 
 
-def _q(v: list[float]) -> dict[str, float]:
-    s = sorted(v)
-    return {"median": statistics.median(s), "q25": s[len(s) // 4], "q75": s[(3 * len(s)) // 4], "n": len(s)}
+def _q(v: list[float]) -> dict[str, float | int]:
+    return spread(v).as_dict()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

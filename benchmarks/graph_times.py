@@ -41,6 +41,7 @@ from fxsplit import runtime
 from fxsplit.bench import allocator
 from benchmarks._common import fxsplit_stage
 from fxsplit.bench.models import MODELS
+from fxsplit.bench.stats import spread
 
 KINDS = ("fused", "dI", "dW")
 
@@ -51,8 +52,7 @@ def _graph_ns() -> dict[str, int]:
 
 
 def _spread(values: list[float]) -> str:
-    v = sorted(values)
-    return f"{statistics.median(v):.3f} (IQR {v[len(v) // 4]:.3f}-{v[(3 * len(v)) // 4]:.3f})"
+    return spread(values).format(3)
 
 
 @contextmanager

@@ -37,11 +37,11 @@ import torch
 
 import fxsplit
 from benchmarks.split_table import CONFIGS
+from fxsplit.bench.stats import spread
 
 
 def _q(values: list[float]) -> str:
-    v = sorted(values)
-    return f"{statistics.median(v):.3f} ({v[len(v) // 4]:.3f}-{v[(3 * len(v)) // 4]:.3f})"
+    return spread(values).format(3)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

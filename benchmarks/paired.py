@@ -36,6 +36,7 @@ import torch
 
 import fxsplit
 from benchmarks.split_table import CONFIGS
+from fxsplit.bench.stats import spread
 
 
 def _resolve(target: str) -> tuple[Any, str]:
@@ -53,8 +54,7 @@ def _resolve(target: str) -> tuple[Any, str]:
 
 
 def _q(values: list[float]) -> str:
-    v = sorted(values)
-    return f"{statistics.median(v):.1f} ({v[len(v) // 4]:.1f} to {v[(3 * len(v)) // 4]:.1f})"
+    return spread(values).format(1)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

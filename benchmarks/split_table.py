@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 import fxsplit
 from fxsplit.bench.models import ModelConfig, build
 from fxsplit.bench.settings import provenance
+from fxsplit.bench.stats import spread
 
 # name -> (model config, what the issue measured it for)
 CONFIGS: dict[str, ModelConfig] = {
@@ -75,10 +75,8 @@ class _Timer:
         return (b - a) * 1e3
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    q = lambda f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
-    return {"median": statistics.median(v), "q25": q(0.25), "q75": q(0.75), "n": len(v)}
+def _spread(values: list[float]) -> dict[str, float | int]:
+    return spread(values).as_dict()
 
 
 def _check(name: str, got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> float:

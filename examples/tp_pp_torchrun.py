@@ -9,7 +9,7 @@ rank holds two stages of the model (V placement: pipeline rank r holds
 stages r and 2*pp-1-r); stage 0 starts with the token embedding, the last
 stage ends with the final norm and the output projection. Every module is
 laid out as torchtitan lays it out, with ``parallelize_module`` over ``tp``:
-the blocks with :func:`fxsplit.bench.tp_block.block_plan` (q/k/v and w1/w3
+the blocks with :func:`tp_block.block_plan` (``examples/tp_block.py``) (q/k/v and w1/w3
 column-wise, o and w2 row-wise; with sequence parallelism, the default, the
 norms run on sequence shards), the embedding row-wise, the output projection
 column-wise to replicated logits. Then every block (and the embedding and
@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fxsplit
 from fxsplit.bench.models import RMSNorm
-from fxsplit.bench.tp_block import TPBlock, block_plan
+from tp_block import TPBlock, block_plan  # examples/tp_block.py, beside this script
 from fxsplit.pipelining import PipelineStage
 
 

@@ -297,3 +297,42 @@ def test_bench_on_a_torch_without_a_working_upstream_split(monkeypatch: pytest.M
     assert mem["not_measurable"] == {"upstream": why}
     assert all(row["variant"] != "upstream" for row in mem["rows"]) and mem["rows"]
     assert f"upstream rows: not measurable: {why}" in text
+
+
+def test_a_verdict_whose_two_summaries_disagree_is_unreliable() -> None:
+    """A run another job was loading: the ratio of the medians 0.391 and the median per-repetition
+    ratio 0.713 (the two summaries of one set of repetitions, 45 % apart) both under the target;
+    the verdict must not claim a PASS it cannot stand behind."""
+    ratios = [0.44, 0.45, 0.60, 0.71, 0.713, 0.72, 0.79, 0.80, 0.81]
+    t = targets.timing_target("split_backward_vs_inductor", 1.02, 0.391, ratios, higher_is_better=False)
+    assert t["pass"] is True and t["reliable"] is False
+    assert "differ by 45 %" in t["unreliable_because"], t["unreliable_because"]
+    agreeing = targets.timing_target("split_backward_vs_inductor", 1.02, 0.72, ratios[3:], higher_is_better=False)
+    assert agreeing["reliable"], agreeing["unreliable_because"]
+
+
+def test_a_verdict_whose_mode_spread_wide_is_unreliable() -> None:
+    """The paired ratios agree, but one mode's own repetitions spread over half their median: the
+    machine was disturbed while it ran, and the verdict says which mode."""
+    steady = [10.0, 10.1, 10.2, 10.0, 10.1, 10.2]
+    noisy = [6.0, 14.0, 7.0, 15.0, 8.0, 13.0]
+    ratios = [0.90, 0.91, 0.90, 0.92, 0.91, 0.90]
+    t = targets.timing_target("split_backward_vs_inductor", 1.02, 0.905, ratios, higher_is_better=False,
+                              modes={"fxsplit+split": noisy, "inductor": steady})
+    assert t["reliable"] is False and "fxsplit+split's own repetitions spread" in t["unreliable_because"]
+    calm = targets.timing_target("split_backward_vs_inductor", 1.02, 0.905, ratios, higher_is_better=False,
+                                 modes={"fxsplit+split": steady, "inductor": steady})
+    assert calm["reliable"]
+
+
+def test_one_statistics_helper() -> None:
+    """Median and quartiles by one rule (linear interpolation, numpy's default), paired ratios over
+    the rounds both modes ran."""
+    from fxsplit.bench.stats import paired_ratios, spread
+
+    s = spread([4.0, 1.0, 3.0, 2.0])
+    assert (s.n, s.median, s.q25, s.q75, s.min, s.max) == (4, 2.5, 1.75, 3.25, 1.0, 4.0)
+    assert s.iqr == 1.5 and s.format(2) == "2.50 (1.75-3.25)" and spread([7.0]).iqr == 0.0
+    assert paired_ratios([2.0, 3.0, 4.0], [1.0, 2.0]) == [2.0, 1.5]
+    with pytest.raises(ValueError, match="at least one value"):
+        spread([])

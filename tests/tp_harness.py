@@ -2,7 +2,7 @@
 
 :func:`run_layer_case` runs in each of 2 ranks (a 1-D ``tp`` mesh) and
 checks one tensor-parallel module compiled with fxsplit: the Llama-style
-:class:`~fxsplit.bench.tp_block.TPBlock` (with or without sequence
+:class:`TPBlock` (``examples/tp_block.py``) (with or without sequence
 parallelism), or a single layer kind (column-wise, row-wise, a
 sequence-parallel norm + MLP). Spawned by
 :func:`pipeline_harness.run_world` with it as the runner.
@@ -28,7 +28,12 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import sys
+from pathlib import Path
 from typing import Any
+
+# examples/tp_block.py: the Llama-style TP block and its plan, shared with examples/tp_pp_torchrun.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import torch
 import torch.nn as nn
@@ -143,7 +148,7 @@ def build(case: LayerCase) -> tuple[nn.Module, Any]:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from fxsplit.bench.tp_block import TPBlock, block_plan
+    from tp_block import TPBlock, block_plan
 
     torch.manual_seed(0)
     if case.kind == "block":

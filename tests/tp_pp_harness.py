@@ -2,7 +2,7 @@
 
 The ranks form a device mesh ``(pp, tp)`` of 2 x 2 (4 ranks), or ``(pp, dp,
 tp)`` of 2 x 2 x 2 (8 ranks) with FSDP2 over ``dp``. Four pipeline stages of
-one Llama-style :class:`~fxsplit.bench.tp_block.TPBlock` each, two per
+one Llama-style :class:`TPBlock` (``examples/tp_block.py``) each, two per
 pipeline rank (V placement for ``ScheduleZBVZeroBubble``, looped for
 ``ScheduleInterleavedZeroBubble``); stage 0 starts with an input projection,
 stage 3 ends with a norm and an output projection. Every module is
@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
+from pathlib import Path
 from typing import Any
+
+# examples/tp_block.py: the Llama-style TP block and its plan, shared with examples/tp_pp_torchrun.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import torch
 import torch.nn as nn
@@ -105,7 +110,7 @@ class TPStage(nn.Module):
 
     def __init__(self, first: bool, last: bool) -> None:
         super().__init__()
-        from fxsplit.bench.tp_block import TPBlock
+        from tp_block import TPBlock
 
         self.inp = InputProj() if first else None
         self.block = TPBlock(DIM, HEADS, HIDDEN)
@@ -135,7 +140,7 @@ def stage_plan(stage: TPStage, sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from fxsplit.bench.tp_block import block_plan
+    from tp_block import block_plan
 
     plan = block_plan(sp, prefix="block.")
     if stage.inp is not None:

@@ -18,6 +18,7 @@ from fxsplit.bench.models import Stage
 from fxsplit.bench.modes import Mode, params_of
 from fxsplit.bench.progress import Progress
 from fxsplit.bench.settings import BenchSettings
+from fxsplit.bench.stats import paired_ratios
 from fxsplit.bench.targets import timing_target
 from fxsplit.bench.timing import stats, timed_step
 
@@ -68,9 +69,9 @@ def measure_accumulation(modes: dict[str, Mode], stage: Stage, grad: torch.Tenso
         "inductor": stats(acc["inductor"], "inductor", "accumulate"),
         "fxsplit+split": stats(acc["fxsplit+split"], "fxsplit+split", "accumulate"),
     }
-    ratios = [a / b for a, b in zip(acc["fxsplit+split"], acc["inductor"])]
     target = timing_target(
         "accumulate_vs_inductor", 1.00,
-        acc_section["fxsplit+split"]["median_ms"] / acc_section["inductor"]["median_ms"], ratios,
-        higher_is_better=False)
+        acc_section["fxsplit+split"]["median_ms"] / acc_section["inductor"]["median_ms"],
+        paired_ratios(acc["fxsplit+split"], acc["inductor"]), higher_is_better=False,
+        modes={"fxsplit+split": acc["fxsplit+split"], "inductor": acc["inductor"]})
     return acc_section, target

@@ -47,6 +47,7 @@ import fxsplit
 from fxsplit.bench.pipeline_rank import CONFIGS, RankPlan, rank_main
 from fxsplit.bench.progress import Progress
 from fxsplit.bench.settings import device_name
+from fxsplit.bench.stats import paired_ratios, spread
 from fxsplit.bench.timing import stats
 from fxsplit.schedules import (
     PipelineCosts, ScheduleError, StageCosts, generate_schedule, simulate, upstream_order,
@@ -137,8 +138,8 @@ def _spawn(plan: RankPlan, progress: Progress) -> list[dict[str, Any]]:
 
 
 def _quartiles(values: Sequence[float]) -> dict[str, float]:
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
-    return {"median": med, "q1": q1, "q3": q3}
+    s = spread(values)
+    return {"median": s.median, "q1": s.q25, "q3": s.q75}
 
 
 def _median_durations(records: Sequence[dict[str, Any]], key: str) -> dict[tuple[int, str], float]:
@@ -261,8 +262,7 @@ def run(settings: PipelineSettings, progress: Progress | None = None) -> dict[st
         shared, over_limit = _on_generator_costs(c.schedule, generated)
         median_round = sorted(range(reps), key=lambda i: steps[i])[(reps - 1) // 2]
         timeline[key] = [[list(a) for a in rec["actions"][key][median_round]] for rec in records]
-        ratio = [t / r for t, r in zip(steps, step_of[REFERENCE])]
-        ratios[key] = _quartiles(ratio)
+        ratios[key] = _quartiles(paired_ratios(steps, step_of[REFERENCE]))
         rows.append({
             "schedule": c.schedule, "backend": c.backend, "key": key,
             "step_ms": st["median_ms"], "step_iqr_ms": st["iqr_ms"], "n": st["n"],

@@ -5,7 +5,7 @@ Each repetition runs forward, then B and W (split modes) or the ordinary
 backward, with a clock read between phases: ``time.perf_counter`` on CPU (what
 ``torch.utils.benchmark.Timer`` uses), CUDA events on CUDA. B and W cannot be
 timed by ``Timer`` on their own since each needs a fresh forward; medians (and
-IQRs) come from ``torch.utils.benchmark.Measurement``.
+IQRs) come from :mod:`fxsplit.bench.stats`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.benchmark import Measurement
-from torch.utils.benchmark.utils.common import TaskSpec
 
 import fxsplit
 from fxsplit.bench import allocator, baselines
 from fxsplit.bench.models import Stage
 from fxsplit.bench.modes import Mode, backward_phases
+from fxsplit.bench.stats import spread
 
 __all__ = ["HOST_KEYS", "fault_summary", "first_step", "stats", "sync", "timed_step"]
 
@@ -132,8 +131,5 @@ def sync(device: torch.device) -> None:
 
 def stats(times: list[float], key: str, phase: str) -> dict[str, float]:
     """Median and IQR (ms) of one phase's repetition times (seconds), and their count."""
-    m = Measurement(
-        number_per_run=1, raw_times=times,
-        task_spec=TaskSpec(stmt=phase, setup="", label="fxsplit bench", sub_label=key, description=phase),
-    )
-    return {"median_ms": m.median * 1e3, "iqr_ms": m.iqr * 1e3, "n": len(times)}
+    s = spread(times)
+    return {"median_ms": s.median * 1e3, "iqr_ms": s.iqr * 1e3, "n": s.n}

@@ -13,7 +13,8 @@ such a block: q/k/v and w1/w3 column-wise, o and w2 row-wise; with
 on entry and the row-wise projections reduce-scatter it on exit, so the
 block takes and returns its input sharded on the sequence dimension (dim 1).
 
-Used by ``examples/tp_pp_torchrun.py`` and the tensor-parallel tests.
+Used by ``examples/tp_pp_torchrun.py`` (import it from the examples folder) and the tensor-parallel
+tests.
 """
 
 from __future__ import annotations
