@@ -132,6 +132,9 @@ def test_table_and_default_path(quick_result: tuple[dict[str, Any], str]) -> Non
 def test_progress_goes_to_stderr(quick_run: tuple[dict[str, Any], str, str]) -> None:
     _, stdout, stderr = quick_run
     assert "[fxsplit bench]" not in stdout
+    # no third-party chatter (the profiler's start/stop lines) and no heartbeat
+    assert "USDT" not in stdout + stderr and "SyncActivityProfilerHandler" not in stdout + stderr
+    assert "still running" not in stderr
     for phase in ("compiling inductor (1/3", "compiling fxsplit (3/3", "timing, rounds done: 3/3",
                   "measuring memory and counting FLOPs, modes done: 6/6"):
         assert phase in stderr, phase
@@ -336,3 +339,24 @@ def test_one_statistics_helper() -> None:
     assert paired_ratios([2.0, 3.0, 4.0], [1.0, 2.0]) == [2.0, 1.5]
     with pytest.raises(ValueError, match="at least one value"):
         spread([])
+
+
+def test_progress_bar_is_one_bar_for_the_whole_run() -> None:
+    """On a terminal the run is one bar over its declared sections: its text says what runs, the
+    position moves with counts inside a section, notes print above it, and it ends at 100 %."""
+    from fxsplit.bench.progress import Progress
+
+    stream = io.StringIO()
+    p = Progress(stream, bar=True)
+    p.plan(["compiling", "timing"])
+    p.section("compiling")
+    with p.phase("compiling inductor (1/1)"):
+        pass
+    p.say("a note")
+    p.section("timing")
+    p.count("timing, rounds done", 3, 4, 0.0)
+    assert p._bar.n == 1.75
+    p.close()
+    text = stream.getvalue()
+    assert "timing, rounds done: 3/4" in text and "a note\n" in text and "100%" in text
+    assert text.count("\n") <= 3  # the bar redraws in place (carriage returns); only the note and the end are lines

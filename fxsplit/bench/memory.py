@@ -54,6 +54,10 @@ import contextlib
 import copy
 import gc
 import itertools
+import os
+import re
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -111,7 +115,7 @@ class MemoryMeter:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _without_profiler_chatter(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             yield self
         events = list(prof.profiler.kineto_results.events())
         mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
@@ -129,6 +133,38 @@ class MemoryMeter:
         else:
             with torch.profiler.record_function(self._PREFIX + name):
                 pass
+
+
+# Kineto's C++ side prints one of these at every profiler start and stop (torch 2.13: "USDT:<time>
+# <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start"); KINETO_LOG_LEVEL does not
+# silence them. A benchmark opens a profiler window per measurement, so they would bury its output.
+_CHATTER = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """While active, the process's stderr (file descriptor 2, where the C++ side writes) goes to a
+    temporary file; at the end every line but the profiler's own start/stop chatter is written
+    back to it, in order. Python's ``sys.stderr`` is flushed on both sides so nothing is lost."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (an embedded interpreter): nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = b"".join(line for line in held.read().splitlines(keepends=True) if not _CHATTER.match(line))
+            if kept:
+                sys.stderr.write(kept.decode(errors="replace"))
+                sys.stderr.flush()
 
 
 # -- stage layouts ---------------------------------------------------------

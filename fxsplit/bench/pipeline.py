@@ -100,7 +100,6 @@ def _spawn(plan: RankPlan, progress: Progress) -> list[dict[str, Any]]:
         p.start()
     got: dict[int, Any] = {}
     t0 = time.monotonic()
-    beat = t0
     try:
         while len(got) < plan.ranks:
             try:
@@ -116,13 +115,8 @@ def _spawn(plan: RankPlan, progress: Progress) -> list[dict[str, Any]]:
                                            "without reporting") from None
                 elif now - t0 > plan.timeout_s:
                     raise RuntimeError(f"the ranks did not finish within {plan.timeout_s:.0f} s") from None
-                else:
-                    if now - beat > 30:
-                        beat = now
-                        progress.say(f"ranks still running, {now - t0:.0f} s")
-                    continue
+                continue
             if status == "progress":
-                beat = time.monotonic()
                 progress.say(payload)
             elif status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")

@@ -112,14 +112,22 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     inductor, fx_graphs = modes[2].module, modes[2].flops_module
     assert fx_graphs is not None
 
+    layouts = not (settings.model.name == "conv" or settings.model.embedding)
+    progress.plan(["compiling", "warm-up", "timing", "accumulating", "memory and FLOPs",
+                   *(["memory between B and W"] if layouts else []), "compile time"])
+
     # 1. compile (first call) and warm up
+    progress.section("compiling")
     compile_s: dict[str, float] = {}
     n_compiled = len({m.compiled for m in runnable if m.compiled is not None})
+    t0 = time.perf_counter()
     for mode in runnable:
         if mode.compiled is not None and mode.compiled not in compile_s:
             with progress.phase(f"compiling {mode.compiled} ({len(compile_s) + 1}/{n_compiled}, first forward + "
                                 "backward)"):
                 compile_s[mode.compiled] = first_step(mode, stage, grad, device, fresh=not settings.warm_cache)
+            progress.count("compiling, modules done", len(compile_s), n_compiled, t0)
+    progress.section("warm-up")
     default_error: str | None = None
     if upstream_unavailable is None:
         with progress.phase("running the upstream split on the default-config inductor module"):
@@ -141,8 +149,9 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
         for k, s in step_s.items()
     }
     rounds = max(want.values())
-    progress.say(f"timing {rounds} round(s), the {len(runnable)} runnable modes interleaved (each round starting "
-                 f"one mode later): {', '.join(f'{k} x{n}' for k, n in want.items())}")
+    progress.section("timing")
+    progress.step(f"timing {rounds} round(s), the {len(runnable)} runnable modes interleaved (each round starting "
+                  f"one mode later): {', '.join(f'{k} x{n}' for k, n in want.items())}")
     samples: dict[str, dict[str, list[float]]] = {m.key: {} for m in modes}
     host: list[dict[str, int] | None] = []
     ordinary_host: list[float | None] = []
@@ -159,10 +168,12 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
         progress.count("timing, rounds done", r + 1, rounds, t0)
 
     # 2b. microbatch accumulation: inductor's ordinary backward vs fxsplit's B + W, 4 microbatches into .grad
+    progress.section("accumulating")
     acc_section, acc_target = measure_accumulation({m.key: m for m in modes}, stage, grad, device, settings, step_s,
                                                    progress)
 
     # 3. memory and FLOPs (untimed)
+    progress.section("memory and FLOPs")
     results = []
     t0 = time.perf_counter()
     for k, mode in enumerate(modes, 1):
@@ -215,20 +226,23 @@ def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, 
     targets["host_time_added"] = host_added_target(host_times)
     targets["accumulate_vs_inductor"] = acc_target
     memory_section: dict[str, Any] | None = None
-    if settings.model.name == "conv" or settings.model.embedding:
+    if not layouts:
         why = "the memory layouts wrap a body taking hidden states (batch, ..., dim); this model does not"
         memory_section = {"skipped": why}
         for name in MEMORY_TARGETS:
             targets[name] = not_measured(name, why)
     else:
+        progress.section("memory between B and W")
         with progress.phase("memory between B and W: middle, last and first stage layouts"):
             memory_section = measure_memory_layouts(base, stage.make_input, settings.model.dim, settings.model.vocab,
-                                                    device, settings.quick, say=progress.say,
+                                                    device, settings.quick, say=progress.step,
                                                     upstream_unavailable=upstream_unavailable)
         targets.update(memory_targets(memory_section))
+    progress.section("compile time")
     with progress.phase(f"compile time per user ({settings.compile_reps} round(s); resets Dynamo)"):
         compile_section = measure_compile_times(base, stage.make_input, grad, settings.compile_reps,
-                                                settings.warm_cache, sync=lambda: sync(device), say=progress.say)
+                                                settings.warm_cache, sync=lambda: sync(device), say=progress.step)
+    progress.close()
     cs = compile_section["samples_s"]
     targets["compile_split_vs_inductor"] = timing_target(
         "compile_split_vs_inductor", 1.1,
