@@ -63,13 +63,16 @@ from fxsplit import _torch_internals as ti
 log = logging.getLogger("fxsplit")
 
 __all__ = [
-    "MAX_SLOTS", "MAX_VARIANTS", "CaptureBackend", "RegionCapture", "SimulatedCapture", "capture_backend", "copy_exactly",
+    "MAX_GRAD_ADDRESS_SETS", "MAX_SLOTS", "CaptureBackend", "RegionCapture", "SimulatedCapture", "capture_backend",
+    "copy_exactly",
 ]
 
 MAX_SLOTS = 8
 """Slots (microbatches in flight between B and W, or input address sets) per region."""
-MAX_VARIANTS = 4
-"""Accumulating dW graphs (``.grad`` address sets) captured per slot."""
+MAX_GRAD_ADDRESS_SETS = 4
+"""Accumulating dW graphs captured per slot: one per set of ``.grad`` addresses it adds into (the
+same compiled code, captured again). ``fxsplit.runtime.MAX_ACCUMULATING_LAYOUTS`` bounds the code
+compiled per region, one per set of ``.grad`` layouts."""
 
 BoxedFn = Callable[[list[Any]], Any]
 
@@ -509,17 +512,17 @@ class RegionCapture:
     ) -> list[Any] | None:
         """Replay the slot's dW graph that accumulates into the ``.grad``
         tensors at the end of ``args`` (captured per set of ``.grad``
-        addresses, at most :data:`MAX_VARIANTS`); the other gradients handed
+        addresses, at most :data:`MAX_GRAD_ADDRESS_SETS`); the other gradients handed
         out as :meth:`run_dw` does. ``None``: run uncaptured."""
         if self.status != "captured":
             return None
         key = (positions, _ptrs(args[len(args) - n_grads:]))
         graph = slot.variants.get(key)
         if graph is None:
-            if key in slot.variants or len(slot.variants) >= MAX_VARIANTS:
+            if key in slot.variants or len(slot.variants) >= MAX_GRAD_ADDRESS_SETS:
                 slot.variants.setdefault(key, None)
                 self.say_once(
-                    f"more than {MAX_VARIANTS} .grad address sets for its accumulating dW graph; those run uncaptured "
+                    f"more than {MAX_GRAD_ADDRESS_SETS} .grad address sets for its accumulating dW graph; those run uncaptured "
                     "(keep .grad in place: zero_grad(set_to_none=False))"
                 )
                 return None

@@ -56,6 +56,7 @@ __all__ = [
     "CompiledWeightWork",
     "DeferredGrad",
     "InputCall",
+    "MAX_ACCUMULATING_LAYOUTS",
     "RegionGraphs",
     "registered",
     "run_directly",
@@ -63,8 +64,11 @@ __all__ = [
 
 # The attribute a node carries while a split backward call is registered on it.
 _CALL_ATTR = "_fxsplit_split_call"
-# Accumulating dW variants compiled per region, at most (see accumulating_graph).
-_MAX_VARIANTS = 8
+# Accumulating dW graphs compiled per region, at most: one per set of .grad layouts (strides, dtype,
+# device) it adds into (see accumulating_graph). Not fxsplit.cudagraphs.MAX_GRAD_ADDRESS_SETS, which
+# bounds the CUDA graphs captured per slot, one per set of .grad addresses: a layout compiles code,
+# an address only needs another capture of the same code.
+MAX_ACCUMULATING_LAYOUTS = 8
 
 
 def items_getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -630,7 +634,7 @@ class CompiledSplitBackward:
             if key not in self._compiled:
                 variants = sum(1 for k in self._compiled if not isinstance(k, str))
                 # A .grad whose layout keeps changing would compile without end: stop at a few.
-                fn = self.graphs.compile_accumulating(positions, grads) if variants < _MAX_VARIANTS else None
+                fn = self.graphs.compile_accumulating(positions, grads) if variants < MAX_ACCUMULATING_LAYOUTS else None
                 self._compiled[key] = fn
             return self._compiled[key]
 
