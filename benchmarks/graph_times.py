@@ -60,7 +60,7 @@ def _captured_graph_calls(found: dict[str, tuple[Any, list[Any]]]) -> Iterator[N
     """While active, record for each kind of graph the compiled callable and a
     copy of the argument list of its last call (fxsplit's runtime internals)."""
     cls = runtime.CompiledSplitBackward
-    full, di, acc = cls._full, cls._di_and_live, cls.run_dw_accumulating
+    full, di, dw = cls._full, cls._di_and_live, cls.run_dw
 
     def _full(self: Any, args: list[Any]) -> Any:
         found["fused"] = (self._run_fused, list(args))
@@ -70,15 +70,16 @@ def _captured_graph_calls(found: dict[str, tuple[Any, list[Any]]]) -> Iterator[N
         found["dI"] = (self._run_di, list(args))
         return di(self, args, timings)
 
-    def _acc(self: Any, graph: Any, args: list[Any], timings: Any = None, *rest: Any) -> Any:
-        found["dW"] = (graph, list(args))
-        return acc(self, graph, args, timings, *rest)
+    def _dw(self: Any, args: list[Any], timings: Any = None, slot: Any = None, graph: Any = None,
+            positions: tuple[int, ...] = ()) -> Any:
+        found["dW"] = (self._run_dw if graph is None else graph, list(args))
+        return dw(self, args, timings, slot, graph, positions)
 
-    cls._full, cls._di_and_live, cls.run_dw_accumulating = _full, _di, _acc  # type: ignore[method-assign]
+    cls._full, cls._di_and_live, cls.run_dw = _full, _di, _dw  # type: ignore[method-assign]
     try:
         yield
     finally:
-        cls._full, cls._di_and_live, cls.run_dw_accumulating = full, di, acc  # type: ignore[method-assign]
+        cls._full, cls._di_and_live, cls.run_dw = full, di, dw  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -460,31 +460,72 @@ class RegionCapture:
         return _clone_out(outs[:n_outputs]) + list(outs[n_outputs:]), slot
 
     # -- dW -------------------------------------------------------------------------------------
-    def run_dw(self, slot: Slot, fn: BoxedFn, live_ins: list[Any]) -> list[Any] | None:
-        """Replay the slot's dW graph on its live-ins (capturing it on first
-        use); the weight gradients handed out (:class:`_Graph`). A gradient
-        that is a live-in as it is (a bias gradient computed in dI) is copied
-        by the captured graph itself, so that what W hands out is the dW
-        graph's memory, never the slot's (which the next dI replay writes).
-        ``None``: run uncaptured, also where a gradient handed out by the last
-        replay is still held."""
+    def run_dw(self, slot: Slot, fn: BoxedFn, args: list[Any], positions: tuple[int, ...] | None = None
+               ) -> list[Any] | None:
+        """Replay the slot's dW graph ``fn`` on ``args`` (capturing it on first use); the
+        weight gradients handed out (:class:`_Graph`). ``None``: run uncaptured, also where
+        a gradient handed out by the graph's last replay is still held.
+
+        ``positions`` (``None`` for the plain dW graph): ``fn`` is the variant that adds the
+        gradients at those dW outputs into the ``.grad`` tensors ending ``args``, captured
+        per set of ``.grad`` addresses, at most :data:`MAX_GRAD_ADDRESS_SETS` per slot; one
+        replay counts as one write of each in W's ledger (see :mod:`fxsplit.pending`).
+
+        A gradient that is a live-in as it is (a bias gradient computed in dI) is copied by
+        the captured graph itself, so that what W hands out is the dW graph's memory, never
+        the slot's (which the next dI replay writes)."""
         if self.status != "captured":
             return None
-        graph = slot.dw
+        n = 0 if positions is None else len(positions)
+        key = None if positions is None else (positions, _ptrs(args[len(args) - n:]))
+        graph = slot.dw if key is None else slot.variants.get(key)
         if graph is None:
-            try:
-                passed = _passed_through(self.backend.warm_up(fn, live_ins, self.device), live_ins)
-                captured = _copying(fn, passed) if passed else fn
-                handle, outs = self.backend.capture(captured, live_ins, self.backend.pool(self.device), self.device)
-            except Exception as e:  # noqa: BLE001
-                self.disable(f"capturing the dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            if key is not None and (key in slot.variants or len(slot.variants) >= MAX_GRAD_ADDRESS_SETS):
+                slot.variants.setdefault(key, None)
+                self.say_once(
+                    f"more than {MAX_GRAD_ADDRESS_SETS} .grad address sets for its accumulating dW graph; those run "
+                    "uncaptured (keep .grad in place: zero_grad(set_to_none=False))"
+                )
                 return None
-            graph = slot.dw = _Graph(handle, outs, live_ins)
+            graph = self._capture_dw(fn, args, n)
+            if graph is None:
+                return None
+            if key is None:
+                slot.dw = graph
+            else:
+                slot.variants[key] = graph
         elif graph.in_use():
             return self._held_back()
+        if key is None:
+            self.backend.replay(graph.handle)
+            self.replays["dW"] += 1
+            return graph.hand_out()
+        # One replay writes every accumulated .grad, or (raising) any of them.
+        ledger = ti.current_ledger()
+        ptrs = [g.data_ptr() for g in args[len(args) - n:]]
+        if ledger is not None:
+            ledger.begun.update(ptrs)
         self.backend.replay(graph.handle)
-        self.replays["dW"] += 1
+        if ledger is not None:
+            ledger.ended.update(ptrs)
+        self.replays["dW+accumulate"] += 1
         return graph.hand_out()
+
+    def _capture_dw(self, fn: BoxedFn, args: list[Any], n_grads: int) -> _Graph | None:
+        """Capture a dW graph on ``args`` (the last ``n_grads`` the ``.grad`` tensors an
+        accumulating variant adds into, warmed up on copies of them); ``None`` if it cannot
+        be captured (then the region runs uncaptured, said once)."""
+        kind = "accumulating dW" if n_grads else "dW"
+        try:
+            warm = args if not n_grads else list(args[: len(args) - n_grads]) + [g.clone() for g in args[-n_grads:]]
+            passed = _passed_through(self.backend.warm_up(fn, warm, self.device), warm)
+            captured = _copying(fn, passed) if passed else fn
+            with _no_ledger() if n_grads else contextlib.nullcontext():
+                handle, outs = self.backend.capture(captured, args, self.backend.pool(self.device), self.device)
+        except Exception as e:  # noqa: BLE001 - a capture that cannot be made is reported, not fatal
+            self.disable(f"capturing the {kind} graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            return None
+        return _Graph(handle, outs, args)
 
     def adopt(self, slot: Slot, outs: list[Any]) -> list[Any]:
         """The outputs of a W that ran uncaptured on ``slot``'s live-ins (its
@@ -506,53 +547,6 @@ class RegionCapture:
             "steps, or a reference to one): W runs uncaptured until it is dropped, so that the replay cannot "
             "overwrite it"
         )
-
-    def run_dw_accumulating(
-        self, slot: Slot, positions: tuple[int, ...], fn: BoxedFn, args: list[Any], n_grads: int
-    ) -> list[Any] | None:
-        """Replay the slot's dW graph that accumulates into the ``.grad``
-        tensors at the end of ``args`` (captured per set of ``.grad``
-        addresses, at most :data:`MAX_GRAD_ADDRESS_SETS`); the other gradients handed
-        out as :meth:`run_dw` does. ``None``: run uncaptured."""
-        if self.status != "captured":
-            return None
-        key = (positions, _ptrs(args[len(args) - n_grads:]))
-        graph = slot.variants.get(key)
-        if graph is None:
-            if key in slot.variants or len(slot.variants) >= MAX_GRAD_ADDRESS_SETS:
-                slot.variants.setdefault(key, None)
-                self.say_once(
-                    f"more than {MAX_GRAD_ADDRESS_SETS} .grad address sets for its accumulating dW graph; those run uncaptured "
-                    "(keep .grad in place: zero_grad(set_to_none=False))"
-                )
-                return None
-            grads = args[len(args) - n_grads:]
-            try:
-                # Warm up on copies of the .grad tensors: the graph adds into them.
-                warm = list(args[: len(args) - n_grads]) + [g.clone() for g in grads]
-                passed = _passed_through(self.backend.warm_up(fn, warm, self.device), warm)
-                captured = _copying(fn, passed) if passed else fn  # as run_dw
-                with _no_ledger():
-                    handle, outs = self.backend.capture(captured, args, self.backend.pool(self.device), self.device)
-            except Exception as e:  # noqa: BLE001
-                self.disable(
-                    f"capturing the accumulating dW graph failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                )
-                return None
-            graph = slot.variants[key] = _Graph(handle, outs, args)
-        elif graph.in_use():
-            return self._held_back()
-        # One replay writes every accumulated .grad, or (raising) any of them:
-        # W's ledger records it as one write of each (see fxsplit.pending).
-        ledger = ti.current_ledger()
-        ptrs = [g.data_ptr() for g in args[len(args) - n_grads:]]
-        if ledger is not None:
-            ledger.begun.update(ptrs)
-        self.backend.replay(graph.handle)
-        if ledger is not None:
-            ledger.ended.update(ptrs)
-        self.replays["dW+accumulate"] += 1
-        return graph.hand_out()
 
 
 class _Taken:
