@@ -476,9 +476,12 @@ class RegionCapture:
         the slot's (which the next dI replay writes)."""
         if self.status != "captured":
             return None
-        n = 0 if positions is None else len(positions)
-        key = None if positions is None else (positions, _ptrs(args[len(args) - n:]))
-        graph = slot.dw if key is None else slot.variants.get(key)
+        if positions is None:
+            graph, key, n = slot.dw, None, 0
+        else:
+            n = len(positions)
+            key = (positions, _ptrs(args[len(args) - n:]))
+            graph = slot.variants.get(key)
         if graph is None:
             if key is not None and (key in slot.variants or len(slot.variants) >= MAX_GRAD_ADDRESS_SETS):
                 slot.variants.setdefault(key, None)

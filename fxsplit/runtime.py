@@ -335,6 +335,7 @@ class CompiledWeightWork:
         weights at ``positions`` count as accumulated."""
         grads = list(map(_GRAD, map(self.params.__getitem__, positions)))
         outs = self._owner.run_dw(list(self._check()) + grads, timings, self.slot, graph, tuple(positions))
+        self._owner.accumulating_runs += 1
         # In-place writes of compiled kernels do not bump the version counter
         # that autograd's own in-place accumulation bumps.
         torch.autograd.graph.increment_version(grads)
@@ -720,8 +721,8 @@ class CompiledSplitBackward:
         """Run the dW graph on ``live_ins`` (through the slot's CUDA graph where there is
         one) and return its outputs. ``graph``: instead, the variant that adds the gradients
         at ``positions`` into the ``.grad`` tensors ending ``live_ins``
-        (:meth:`accumulating_graph`). The time inside goes to ``timings["w_graph_ns"]``."""
-        fn = self._run_dw if graph is None else graph
+        (:meth:`accumulating_graph`; the caller counts its runs). The time inside goes to
+        ``timings["w_graph_ns"]``."""
         # Outside the autograd engine: reproduce the state it runs backward
         # graphs in (no grad mode; the graph is already autocast-lowered).
         grad_mode = torch.is_grad_enabled()
@@ -730,18 +731,16 @@ class CompiledSplitBackward:
             with ti.autocast_disabled():
                 t0 = time.perf_counter_ns()
                 if slot is not None and self._capture is not None:
-                    out = self._capture.run_dw(slot, fn, live_ins, None if graph is None else positions)
+                    out = self._capture.run_dw(slot, graph or self._run_dw, live_ins, None if graph is None else positions)
                     if out is None:  # uncaptured on the slot's live-ins
-                        out = self._capture.adopt(slot, list(fn(live_ins)))
+                        out = self._capture.adopt(slot, list((graph or self._run_dw)(live_ins)))
                 else:
-                    out = list(fn(live_ins))
+                    out = list((graph or self._run_dw)(live_ins))
                 dt = time.perf_counter_ns() - t0
         finally:
             ti.set_grad_enabled(grad_mode)
         self._count("dW", dt, timings, "w_graph_ns")
         self.stats["dw_runs"] += 1
-        if graph is not None:
-            self.accumulating_runs += 1
         return out
 
     def _count(self, kind: str, ns: int, timings: dict[str, int] | None, key: str) -> None:
