@@ -470,16 +470,17 @@ def test_expert_parallel_stage_with_nccl_and_grouped_mm() -> None:
     import torch.distributed as dist
 
     import ep_harness as eh
+    from fxsplit.bench.world import free_port
 
     created = not dist.is_initialized()
     if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(__import__("pipeline_harness").free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        ref = eh.MoEStage(list(range(eh.N_EXPERTS)), "grouped_mm").to(CUDA)
-        mod = eh.MoEStage(list(range(eh.N_EXPERTS)), "grouped_mm", group=dist.group.WORLD).to(CUDA)
+        ref = eh.moe_stage(list(range(eh.N_EXPERTS)), "grouped_mm").to(CUDA)
+        mod = eh.moe_stage(list(range(eh.N_EXPERTS)), "grouped_mm", group=dist.group.WORLD).to(CUDA)
         mod.load_state_dict(ref.state_dict())
         fn = torch.compile(mod, backend="fxsplit")
         xs = [torch.randn(eh.MB_BATCH, eh.SEQ, eh.DIM, device=CUDA) for _ in range(2)]

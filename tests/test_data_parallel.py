@@ -29,6 +29,7 @@ import fxsplit
 sys.path.insert(0, os.path.dirname(__file__))
 import dp_harness as dh  # noqa: E402
 import pipeline_harness as ph  # noqa: E402
+from fxsplit.bench import world as W  # noqa: E402
 from test_pipelining import _check_losses_and_grads  # noqa: E402
 
 DPCase = dh.DPCase
@@ -231,9 +232,9 @@ def one_rank() -> Any:
         dist.destroy_process_group()
 
 
-def _stage_module(n_blocks: int = 2) -> ph.StageModule:
+def _stage_module(n_blocks: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    return ph.StageModule(n_blocks, last=False)
+    return ph.stage_module(n_blocks, last=False)
 
 
 def test_ddp_inside_the_stage_module_is_refused(one_rank: Any) -> None:
@@ -340,10 +341,10 @@ def test_ddp_hooks_fire_at_the_last_w(one_rank: Any) -> None:
     module.compile(backend=fxsplit.backend(compiler="eager", fallback="error"))
     ddp = DistributedDataParallel(module)
     stage = PipelineStage(ddp, 0, 1, torch.device("cpu"))
-    runs = ph.RegionRuns()  # regions of earlier tests may still be listed: count the difference
+    runs = W.RegionRuns()  # regions of earlier tests may still be listed: count the difference
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         xs = _one_rank_split_step(stage, ddp)
-    ops = [op for op, _ in dh.collectives_in(prof)]
+    ops = [op for op, _ in W.collectives(prof)]
     assert ops.count("allreduce_") == 1, ops
     stage.perform_reduce_grad(1)
     for x in xs:
@@ -414,7 +415,7 @@ def test_fsdp_split_reaches_unsharded_parameters(one_rank: Any, reshard_after_fo
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(module, reshard_after_forward=reshard_after_forward)
     stage = PipelineStage(module, 0, 1, torch.device("cpu"))
-    runs = ph.RegionRuns()
+    runs = W.RegionRuns()
     xs = _one_rank_split_step(stage, module)
     for block in module.blocks:  # as the schedule's RESHARD would: the module shows its sharded parameters
         block.reshard()

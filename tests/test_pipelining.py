@@ -184,10 +184,10 @@ def test_in_place_compile_is_not_an_optimized_module() -> None:
     # What the zero-bubble schedules check (schedules._check_torch_compile_compatibility).
     from torch._dynamo import OptimizedModule
 
-    module = harness.StageModule(1, last=False)
+    module = harness.stage_module(1, last=False)
     module.compile(backend="fxsplit")
     assert not any(isinstance(m, OptimizedModule) for m in module.modules())
-    wrapped = torch.compile(harness.StageModule(1, last=False), backend="fxsplit")
+    wrapped = torch.compile(harness.stage_module(1, last=False), backend="fxsplit")
     assert any(isinstance(m, OptimizedModule) for m in wrapped.modules())
 
 

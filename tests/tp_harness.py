@@ -5,7 +5,7 @@ checks one tensor-parallel module compiled with fxsplit: the Llama-style
 :class:`TPBlock` (``examples/tp_block.py``) (with or without sequence
 parallelism), or a single layer kind (column-wise, row-wise, a
 sequence-parallel norm + MLP). Spawned by
-:func:`pipeline_harness.run_world` with it as the runner.
+:func:`multirank.run_world` with it as the runner.
 
 In-rank, for two microbatches split as a zero-bubble schedule does (B0, B1,
 W1, W0), it compares against ordinary backward on identical copies (the same
@@ -25,7 +25,6 @@ at W.
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import sys
@@ -38,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import torch
 import torch.nn as nn
 
-import pipeline_harness as ph
+import zoo
+from fxsplit.bench import world as W
 
 TP = 2
 DIM, HEADS, HIDDEN = 16, 4, 32
@@ -77,17 +77,6 @@ class LayerCase:
     @property
     def sequence_parallel(self) -> bool:
         return self.sp or self.kind == "sp_mlp"
-
-
-class _Linear(nn.Module):
-    """A Linear in a module of our own class (in-place compile of torch.nn modules does nothing)."""
-
-    def __init__(self, d_in: int, d_out: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(d_in, d_out, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
 
 
 class _SPMLP(nn.Module):
@@ -155,9 +144,9 @@ def build(case: LayerCase) -> tuple[nn.Module, Any]:
         module: nn.Module = TPBlock(DIM, HEADS, HIDDEN)
         plan = block_plan(case.sp)
     elif case.kind == "colwise":
-        module, plan = _Linear(DIM, HIDDEN), {"proj": ColwiseParallel()}
+        module, plan = zoo.Projection(DIM, HIDDEN), {"proj": ColwiseParallel()}
     elif case.kind == "rowwise":
-        module, plan = _Linear(HIDDEN, DIM), {"proj": RowwiseParallel()}
+        module, plan = zoo.Projection(HIDDEN, DIM), {"proj": RowwiseParallel()}
     elif case.kind == "hf_llama":
         module, plan = _HFLlama(), _hf_llama_plan()
     elif case.kind == "gathered":
@@ -253,20 +242,6 @@ def local_share(case: LayerCase, full_dx: torch.Tensor, rank: int) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------
-def collective_counts(prof: Any) -> dict[str, int]:
-    """The outermost ``c10d::`` ops the profiler saw, counted by name."""
-    counts: collections.Counter[str] = collections.Counter()
-    for evt in prof.events():
-        if not evt.name.startswith("c10d::"):
-            continue
-        parent = evt.cpu_parent
-        while parent is not None and not parent.name.startswith("c10d::"):
-            parent = parent.cpu_parent
-        if parent is None:
-            counts[evt.name[len("c10d::"):]] += 1
-    return dict(counts)
-
-
 class Phase:
     """Runs ``fn`` under the profiler and (``flops=True``) the matmul FLOP counter;
     keeps what they saw (``flops`` is ``None`` when not counted). The counter is a
@@ -276,11 +251,11 @@ class Phase:
     def __init__(self, fn: Any, flops: bool = True) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             if flops:
-                with ph.MatmulFlops() as counter:
+                with W.MatmulCounter() as counter:
                     fn()
             else:
                 fn()
-        self.collectives = collective_counts(prof)
+        self.collectives = W.collective_counts(W.collectives(prof))
         self.flops = counter.total if flops else None
 
 

@@ -24,7 +24,6 @@ and, per stage, the same counted over one ordinary backward of that stage
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -37,8 +36,11 @@ import torch
 import torch.nn as nn
 
 import dp_harness as dh
+import multirank
 import pipeline_harness as ph
 import tp_harness as th
+import zoo
+from fxsplit.bench import world as W
 
 PP, TP, DP = 2, 2, 2
 N_STAGES = 4
@@ -72,60 +74,9 @@ class TPPPCase:
         return PP * TP * (DP if self.fsdp else 1)
 
 
-class InputProj(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
-
-
-class OutputHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        from fxsplit.bench.models import RMSNorm
-
-        self.norm = RMSNorm(DIM)
-        self.proj = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
-
-
-def settle(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a plain tensor if an eager DTensor layer returned it as an
-    ``AsyncCollectiveTensor`` (its local output while its collective is in
-    flight). torch 2.13: such a tensor as a compiled region's input breaks that
-    region's backward, with every backend (``aot_eager`` and ``inductor``
-    too: a redistribute's backward is handed a plain tensor), so it is
-    copied first (its collective waited) when the projection runs eagerly."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return x.clone() if isinstance(x, AsyncCollectiveTensor) else x
-
-
-class TPStage(nn.Module):
-    """One block; stage 0 also has the input projection, the last stage the head."""
-
-    def __init__(self, first: bool, last: bool) -> None:
-        super().__init__()
-        from tp_block import TPBlock
-
-        self.inp = InputProj() if first else None
-        self.block = TPBlock(DIM, HEADS, HIDDEN)
-        self.head = OutputHead() if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.inp is not None:
-            x = settle(self.inp(x))
-        x = self.block(x)
-        return self.head(x) if self.head is not None else x
-
-
-def build_reference() -> list[TPStage]:
+def build_reference() -> list[zoo.TPStage]:
     torch.manual_seed(0)
-    stages = [TPStage(s == 0, s == N_STAGES - 1) for s in range(N_STAGES)]
+    stages = [zoo.TPStage(DIM, HEADS, HIDDEN, s == 0, s == N_STAGES - 1) for s in range(N_STAGES)]
     with torch.no_grad():  # norm weights start at 1: make their gradients less special
         for m in stages:
             for p in m.parameters():
@@ -134,7 +85,7 @@ def build_reference() -> list[TPStage]:
     return stages
 
 
-def stage_plan(stage: TPStage, sp: bool) -> dict[str, Any]:
+def stage_plan(stage: zoo.TPStage, sp: bool) -> dict[str, Any]:
     """torchtitan's plan for the stage: the block's, the input projection
     row-wise from a replicated input, the head column-wise to a replicated output."""
     from torch.distributed.tensor import Replicate, Shard
@@ -157,12 +108,6 @@ def stage_input_shape(stage_id: int, sp: bool) -> tuple[int, ...]:
     return (MB_BATCH, seq, DIM)
 
 
-def _full(g: torch.Tensor | None) -> torch.Tensor | None:
-    from torch.distributed.tensor import DTensor
-
-    return g.full_tensor() if isinstance(g, DTensor) else g
-
-
 def _ordinary_backward_profile(module: nn.Module, stage_id: int, case: TPPPCase) -> tuple[dict[str, int], int]:
     """Collectives and matmul FLOPs of one ordinary backward of ``module`` (a
     stage as the schedule runs it), on random data; its gradients are dropped."""
@@ -177,27 +122,8 @@ def _ordinary_backward_profile(module: nn.Module, stage_id: int, case: TPPPCase)
     return phase.collectives, phase.flops
 
 
-def _stage_class(count_flops: bool) -> type:
-    """dp_harness's stage (region counters, FLOPs and collectives per action),
-    without the FLOP counter where eager DTensor code runs (see tp_harness.Phase)."""
-    base = dh.make_dp_stage_class()
-    if count_flops:
-        return base
-
-    class NoFlopStage(base):  # type: ignore[misc, valid-type]
-        def _record(self, kind: str, mb: int, fn: Any) -> None:
-            runs = ph.RegionRuns()
-            fn()
-            rec = runs.delta()
-            rec.update(stage=self.stage_index, kind=kind, mb=mb, flops=None)
-            self.actions.append(rec)
-
-    return NoFlopStage
-
-
 def run_tp_pp_case(case: TPPPCase, rank: int, world: int) -> dict[str, Any]:
-    """One case in one rank (see the module docstring); returns what the parent checks."""
-    import torch.distributed.pipelining.schedules as schedules
+    """One case in one rank (see the module docstring); returns what the tests check."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -212,17 +138,16 @@ def run_tp_pp_case(case: TPPPCase, rank: int, world: int) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))
         dp_rank = 0
     pp_rank = mesh["pp"].get_local_rank()
-    stage_ids, n_stages = ph.stage_ids_for(case.schedule, pp_rank, PP)
+    stage_ids, n_stages = W.stage_ids(case.schedule, pp_rank, PP)
     assert n_stages == N_STAGES
     reference = build_reference()
     backend = fxsplit.backend(compiler=case.compiler, fallback="error")
-    modules: dict[int, TPStage] = {}
+    modules: dict[int, nn.Module] = multirank.deep_copies(reference, stage_ids)
     yardstick: dict[int, tuple[dict[str, int], int]] = {}
     tokens = MB_BATCH * SEQ
     weight_flops: dict[int, int] = {}
     input_proj_flops: dict[int, int] = {}
-    for s in stage_ids:
-        m = copy.deepcopy(reference[s])
+    for s, m in modules.items():
         parallelize_module(m, mesh["tp"], stage_plan(m, case.sp))
         for part in (m.inp, m.block, m.head) if case.compile == "all" else (m.block,):  # in place
             if part is not None:
@@ -232,7 +157,6 @@ def run_tp_pp_case(case: TPPPCase, rank: int, world: int) -> dict[str, Any]:
         input_proj_flops[s] = th.weight_grad_flops(m.inp, tokens) if m.inp is not None else 0
         if not case.fsdp:
             yardstick[s] = _ordinary_backward_profile(m, s, case)
-        modules[s] = m
     wrapped: dict[int, nn.Module] = dict(modules)
     if case.fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -243,66 +167,26 @@ def run_tp_pp_case(case: TPPPCase, rank: int, world: int) -> dict[str, Any]:
                     fully_shard(part, mesh=mesh["dp"], reshard_after_forward=False)
             wrapped[s] = fully_shard(m, mesh=mesh["dp"], reshard_after_forward=False)
 
-    stage_cls = _stage_class(count_flops=case.compile == "all")
-    stages = [stage_cls(wrapped[s], s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
-              for s in stage_ids]
-    schedule = getattr(schedules, case.schedule)(stages, N_MICROBATCHES, loss_fn=ph.loss_fn)
-    ref_opt = torch.optim.SGD([p for m in reference for p in m.parameters()], lr=LR)
-    opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=LR)
-    has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
-    n_replicas = DP if case.fsdp else 1
-    local = MB_BATCH * N_MICROBATCHES
-    step_losses: list[list[float]] = []
-    collectives: list[tuple[str, str]] = []
-    grads_checked = 0
-    for step in range(N_STEPS):
+    def make(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(300 + step)
-        x = torch.randn(n_replicas * local, SEQ, DIM, generator=g)
-        y = torch.randn(n_replicas * local, SEQ, DIM, generator=g)
-        # reference: the mean of every microbatch's loss (all replicas), one backward
-        h = x
-        for m in reference:
-            h = m(h)
-        n = n_replicas * N_MICROBATCHES
-        ref_losses = [ph.loss_fn(o, t) for o, t in zip(h.chunk(n), y.chunk(n))]
-        torch.stack(ref_losses).mean().backward()
-        mine = slice(dp_rank * local, (dp_rank + 1) * local)
-        for st in stages:
-            st.actions.clear()
-        losses: list[torch.Tensor] = []
-        args = (x[mine],) if has_first else ()
-        kwargs: dict[str, Any] = {"target": y[mine], "losses": losses} if has_last else {}
-        collectives = dh.step_collecting(schedule, step == N_STEPS - 1, *args, **kwargs) or []
-        where = f"{case.name} rank {rank} step {step}"
-        if has_last:
-            got = [float(v.detach()) for v in losses]
-            expected = [float(v.detach()) for v in ref_losses[dp_rank * N_MICROBATCHES:(dp_rank + 1) * N_MICROBATCHES]]
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{where}: microbatch losses differ: {m}")
-            step_losses.append(got)
-        for s, m in modules.items():
-            for (name, p), (_, rp) in zip(m.named_parameters(), reference[s].named_parameters(), strict=True):
-                full = _full(p.grad)  # a collective over tp (and dp): same order on every rank
-                assert full is not None, f"{where}: stage {s} {name}: no gradient"
-                torch.testing.assert_close(full, rp.grad, rtol=1e-4, atol=1e-5,
-                                           msg=lambda msg, s=s, name=name: f"{where}: stage {s} {name}.grad: {msg}")
-                grads_checked += 1
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+        n = n_replicas * MB_BATCH * N_MICROBATCHES
+        return torch.randn(n, SEQ, DIM, generator=g), torch.randn(n, SEQ, DIM, generator=g)
 
-    actions = [a for st in stages for a in st.actions]
-    dh.label_actions(actions, collectives)
+    n_replicas = DP if case.fsdp else 1
+    # no FLOP counter where eager DTensor code runs under it (see tp_harness.Phase)
+    observers = [W.RegionRuns.observer] + ([W.MatmulCounter.observer()] if case.compile == "all" else [])
+    out = multirank.drive(multirank.Run(
+        name=f"{case.name} rank {rank}", schedule=case.schedule, stage_ids=stage_ids, n_stages=n_stages,
+        modules=modules, wrapped=wrapped, group=mesh["pp"].get_group(), reference=reference,
+        step_data=dh.replica_data(make, reference, dp_rank, n_replicas, N_MICROBATCHES, MB_BATCH * N_MICROBATCHES),
+        loss_fn=ph.loss_fn, microbatches=N_MICROBATCHES, steps=N_STEPS, lr=LR, observers=observers,
+        profile_last=True))
     return {
+        **out,  # losses, grads_checked, actions and collectives (last step)
         "case": case.name,
         "rank": rank,
         "pp_rank": pp_rank,
         "stages": stage_ids,
-        "losses": step_losses,
-        "grads_checked": grads_checked,
-        "actions": actions,  # last step
-        "collectives": collectives,  # last step: (op, action label)
         "yardstick": yardstick,
         "weight_grad_flops": weight_flops,
         "input_proj_flops": input_proj_flops,

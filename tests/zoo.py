@@ -48,10 +48,11 @@ import fxsplit
 from fxsplit.bench.models import Block, LlamaBlock, MoEFeedForward, RMSNorm, grouped_mm_experts
 
 __all__ = [
-    "CASES", "Case", "FLOP_FORMULAS", "RULE_HALVES", "STAGE_CASES", "StageCase", "WEIGHT_SHARE", "case",
+    "BlockStage", "Blocks", "CASES", "Case", "FLOP_FORMULAS", "LMStage", "MoEStage", "NormHead", "Projection",
+    "TPStage", "RULE_HALVES", "STAGE_CASES", "StageCase", "WEIGHT_SHARE", "case",
     "clone_inputs", "expert_mm", "expert_mm_backward", "expert_mm_backward_flops", "expert_mm_backward_rule",
     "expert_mm_flops", "expert_mm_input_grad", "expert_mm_input_grad_flops", "expert_mm_weight_grad",
-    "expert_mm_weight_grad_flops", "forward", "grad_outputs", "make_grads",
+    "expert_mm_weight_grad_flops", "forward", "grad_outputs", "make_grads", "settle",
 ]
 
 
@@ -630,3 +631,175 @@ def forward(c: Case, module: Callable[..., Any], inputs: tuple[Any, ...]) -> Any
     """Run ``module(*inputs)`` the way case ``c`` requires (e.g. under autocast)."""
     with _maybe_autocast(c):
         return module(*inputs)
+
+
+# ---------------------------------------------------------------- multi-rank stages ----------
+# The stage modules of the multi-rank worlds (tests/multirank.py and its case modules).
+
+
+class Blocks(nn.Module):
+    """``n_blocks`` of the benchmark's pre-LN transformer block, one after the other."""
+
+    def __init__(self, n_blocks: int, dim: int, heads: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class BlockStage(Blocks):
+    """A run of blocks; the last stage also has a LayerNorm and a Linear head (float in, float out)."""
+
+    def __init__(self, n_blocks: int, dim: int, heads: int, last: bool) -> None:
+        super().__init__(n_blocks, dim, heads)
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return self.head(x) if self.head is not None else x
+
+
+class LMStage(nn.Module):
+    """A language model's stage: an eager embedding (first stage), ``body`` (the part
+    compiled in place), an eager head to the vocabulary (last stage)."""
+
+    def __init__(self, n_blocks: int, dim: int, heads: int, vocab: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim) if first else None
+        self.body = Blocks(n_blocks, dim, heads)
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        x = self.body(x)
+        return self.head(x) if self.head is not None else x
+
+
+class Projection(nn.Module):
+    """A bias-free Linear in a module of our own class (in-place compile of a torch.nn
+    module itself does nothing)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d_in, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class NormHead(nn.Module):
+    """RMSNorm, then a bias-free Linear."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+def settle(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a plain tensor if an eager DTensor layer returned it as an
+    ``AsyncCollectiveTensor`` (its local output while its collective is in
+    flight). torch 2.13: such a tensor as a compiled region's input breaks that
+    region's backward, with every backend (``aot_eager`` and ``inductor``
+    too: a redistribute's backward is handed a plain tensor), so it is
+    copied first (its collective waited) when the projection runs eagerly."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return x.clone() if isinstance(x, AsyncCollectiveTensor) else x
+
+
+class TPStage(nn.Module):
+    """One Llama-style ``TPBlock`` (``examples/tp_block.py``, on ``sys.path``); the first
+    stage also has an input projection, the last a norm and an output projection."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, first: bool, last: bool) -> None:
+        super().__init__()
+        from tp_block import TPBlock
+
+        self.inp = Projection(dim, dim) if first else None
+        self.block = TPBlock(dim, heads, hidden)
+        self.head = NormHead(dim) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inp is not None:
+            x = settle(self.inp(x))
+        x = self.block(x)
+        return self.head(x) if self.head is not None else x
+
+
+class MoEStage(nn.Module):
+    """``x + experts(route(proj(x)))``: a dense projection, a softmax router choosing the
+    top ``top_k`` of ``n_experts`` GELU experts; the experts at ``expert_ids`` live here.
+
+    ``group`` is the expert-parallel process group (``None``: every expert is local,
+    no communication). With a group, tokens reach their experts as torchtitan's
+    all-to-all token dispatcher sends them (:meth:`_dispatch_and_run`). ``experts``:
+    ``"loop"`` (one matmul pair per local expert, split sizes from ``.tolist()``: a
+    graph break) or ``"grouped_mm"`` (``torch._grouped_mm``, bfloat16 weights).
+    """
+
+    def __init__(self, expert_ids: list[int], experts: str, group: Any = None, dim: int = 16, hidden: int = 32,
+                 n_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.expert_ids = list(expert_ids)
+        self.mode = experts
+        self.group = group
+        self.n_experts, self.top_k = n_experts, top_k
+        dtype = torch.bfloat16 if experts == "grouped_mm" else torch.float32
+        self.w_in = nn.Parameter(torch.randn(len(expert_ids), dim, hidden, dtype=dtype) * dim**-0.5)
+        self.w_out = nn.Parameter(torch.randn(len(expert_ids), hidden, dim, dtype=dtype) * hidden**-0.5)
+
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each local expert on its rows (``rows`` sorted by local expert, ``counts[e]`` rows each)."""
+        if self.mode == "grouped_mm":
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = torch._grouped_mm(rows.to(torch.bfloat16), self.w_in, offs=offs)
+            return torch._grouped_mm(F.gelu(h), self.w_out, offs=offs).to(rows.dtype)
+        parts = rows.split(counts.tolist())  # a graph break, as in torchtitan's loop over experts
+        return torch.cat([F.gelu(part @ self.w_in[e]) @ self.w_out[e] for e, part in enumerate(parts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.proj(x).reshape(b * t, d)
+        probs = self.router(h).softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        rows = h[order // self.top_k]
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        if self.group is None:  # every expert here
+            out_rows = self._experts(rows, counts)
+        else:
+            out_rows = self._dispatch_and_run(rows, counts)
+        combined = torch.zeros_like(h).index_add(0, order // self.top_k,
+                                                 out_rows * weights.reshape(-1)[order].unsqueeze(1))
+        return x + combined.reshape(b, t, d)
+
+    def _dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """torchtitan's all-to-all token dispatch: the counts, then the tokens, to
+        the ranks owning the experts (split sizes from ``.tolist()``, a graph
+        break); the experts on the rows regrouped by expert; the results back."""
+        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+        group = self.group
+        ep, local = self.n_experts // len(self.expert_ids), len(self.expert_ids)
+        received = all_to_all_single(counts, None, None, group)  # [src rank][my expert] counts
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = received.view(ep, local).sum(1).tolist()
+        got = all_to_all_single_autograd(rows, recv, send, group)
+        # rows arrive grouped by source rank, then by expert: regroup them by expert
+        expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
+            received, output_size=got.shape[0])
+        perm = expert_of_row.argsort(stable=True)
+        out = self._experts(got[perm], received.view(ep, local).sum(0))
+        back = torch.empty_like(out).index_copy(0, perm, out)
+        return all_to_all_single_autograd(back, send, recv, group)

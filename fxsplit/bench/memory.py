@@ -410,7 +410,7 @@ def measure_memory_layouts(base: nn.Module, make_hidden: Callable[[], torch.Tens
         rows.append(_measure_one(layout, variant, make, device, quick, tokens))
         if quick and variant == "fxsplit" and layout in ("first", "middle"):
             flops[layout] = _count_b_w(*made[0])  # --quick's fxsplit rows already run compiler="eager"
-        del made
+        made.clear()  # the stage and its regions go before the next layout is built
     for layout in ("first", "middle"):
         if layout not in flops:
             say(f"memory: FLOPs of B and W on the {layout} stage (a compiler='eager' twin)")

@@ -1,7 +1,8 @@
 """``fxsplit bench --pipeline``: whole pipeline training steps on several ranks, measured and simulated.
 
-:func:`run` spawns ``ranks`` processes (gloo on CPU, NCCL on CUDA), each
-running :func:`fxsplit.bench.pipeline_rank.rank_main`, and turns their raw
+:func:`run` runs a world of ``ranks`` processes (:mod:`fxsplit.bench.world`;
+gloo on CPU, NCCL on CUDA), each running
+:func:`fxsplit.bench.pipeline_rank.rank_main`, and turns their raw
 records into the result written as JSON:
 
 * ``rows``: per configuration (:data:`~fxsplit.bench.pipeline_rank.CONFIGS`),
@@ -34,8 +35,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import queue
-import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +43,8 @@ from typing import Any
 import torch
 
 import fxsplit
-from fxsplit.bench.pipeline_rank import CONFIGS, RankPlan, rank_main
+from fxsplit.bench import world
+from fxsplit.bench.pipeline_rank import CONFIGS, RankPlan, rank_main, threads_per_rank
 from fxsplit.bench.progress import Progress
 from fxsplit.bench.settings import device_name
 from fxsplit.bench.stats import paired_ratios, spread
@@ -81,54 +81,10 @@ class PipelineSettings:
     scaling_microbatches: tuple[int, ...] | None = None  # None: SCALING_MICROBATCHES
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(plan: RankPlan, progress: Progress) -> list[dict[str, Any]]:
-    """Run every rank; returns their records (indexed by rank). Raises ``RuntimeError``
-    with the rank's traceback if one fails, or if one exits without reporting or the
-    world runs past ``plan.timeout_s``; every rank is ended either way."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, plan, results), daemon=True) for r in range(plan.ranks)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    t0 = time.monotonic()
-    try:
-        while len(got) < plan.ranks:
-            try:
-                status, rank, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                now = time.monotonic()
-                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
-                if dead:
-                    try:  # a rank may have reported just before exiting
-                        status, rank, payload = results.get(timeout=5.0)
-                    except queue.Empty:
-                        raise RuntimeError(f"rank(s) {dead} exited (exit codes {[procs[r].exitcode for r in dead]}) "
-                                           "without reporting") from None
-                elif now - t0 > plan.timeout_s:
-                    raise RuntimeError(f"the ranks did not finish within {plan.timeout_s:.0f} s") from None
-                continue
-            if status == "progress":
-                progress.say(payload)
-            elif status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            else:
-                got[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [got[r] for r in range(plan.ranks)]
+    """Run every rank (:func:`fxsplit.bench.world.run_world`); their records, by rank."""
+    return world.run_world(rank_main, plan, plan.ranks, timeout_s=plan.timeout_s, device=plan.device,
+                           threads=threads_per_rank(plan), on_progress=progress.say)
 
 
 def _quartiles(values: Sequence[float]) -> dict[str, float]:
@@ -222,7 +178,7 @@ def run(settings: PipelineSettings, progress: Progress | None = None) -> dict[st
     wall0 = time.perf_counter()
     plan = RankPlan(model=settings.model, device=settings.device, dtype=settings.dtype, ranks=settings.ranks,
                     microbatches=settings.microbatches, warmup=settings.warmup, reps=settings.reps,
-                    compiler=settings.compiler, port=_free_port(), timeout_s=settings.timeout_s)
+                    compiler=settings.compiler, timeout_s=settings.timeout_s)
     progress.say(f"spawning {settings.ranks} ranks ({'NCCL' if settings.device == 'cuda' else 'gloo'}), "
                  f"{len(CONFIGS)} configurations, {settings.microbatches} microbatches, {settings.reps} timed rounds")
     records = _spawn(plan, progress)

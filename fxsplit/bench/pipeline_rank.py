@@ -1,10 +1,11 @@
-"""What each rank of ``fxsplit bench --pipeline`` does (spawned by :mod:`fxsplit.bench.pipeline`).
+"""What each rank of ``fxsplit bench --pipeline`` does (a world of :mod:`fxsplit.bench.world`).
 
 Every rank builds the same model (``stages`` stage modules of the benchmark's
 blocks, :mod:`fxsplit.bench.models`, same seeds everywhere), and, for each
 configuration of :data:`CONFIGS`, its own copy of the stages it holds, compiled
 in place and wrapped in a pipeline stage whose ``F``/``I``/``B``/``W`` actions
-record their start and end. It then:
+record their start and end (:func:`fxsplit.bench.world.observed_stage_class`
+with a :class:`~fxsplit.bench.world.Clock`). It then:
 
 1. measures the hand-over latency of one activation between two ranks
    (ping-pong, half the round trip);
@@ -31,11 +32,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import os
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +41,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["CONFIGS", "Config", "RankPlan", "rank_main"]
+from fxsplit.bench import world as W
+from fxsplit.bench.models import BlockStack
+
+__all__ = ["CONFIGS", "Config", "RankPlan", "rank_main", "threads_per_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ CONFIGS = (
 COST_PROBES = (Config("ScheduleZBVZeroBubble", "fxsplit"), Config("ScheduleInterleaved1F1B", "inductor"))
 PROBE_STEPS = 2
 # fxsplit region counters (CompiledRegion.stats): which backward graphs the timed steps ran
-REGION_COUNTERS = ("di_runs", "dw_runs", "fused_runs")
+REGION_COUNTERS = W.REGION_COUNTERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,81 +90,7 @@ class RankPlan:
     warmup: int
     reps: int
     compiler: str  # "inductor", or "eager" (a smoke test: no Inductor anywhere)
-    port: int
     timeout_s: float
-
-
-class Chain(nn.Module):
-    """Stage modules run one after the other: one stage of a one-stage-per-rank
-    schedule made of two stages of the finer cut (a class of our own, so that
-    ``.compile()`` in place traces it)."""
-
-    def __init__(self, parts: list[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            x = part(x)
-        return x
-
-
-class _Clock:
-    """Timestamps of one step: ``time.perf_counter`` on CPU, CUDA events on CUDA
-    (resolved after the step), in milliseconds from the step's start."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.origin: Any = None
-
-    def now(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def start(self) -> None:
-        self.origin = self.now()
-
-    def ms(self, mark: Any) -> float:
-        if self.cuda:
-            mark.synchronize()
-            return self.origin.elapsed_time(mark)
-        return (mark - self.origin) * 1e3
-
-
-def _timed_stage_class(base: type) -> type:
-    class TimedStage(base):  # type: ignore[misc, valid-type]
-        """``base`` recording each ``F``/``I``/``B``/``W`` action's start and end."""
-
-        clock: _Clock | None = None
-        records: list[tuple[int, str, int, Any, Any]]
-
-        def _timed(self, kind: str, mb: int, fn: Callable[[], Any]) -> Any:
-            if self.clock is None:
-                return fn()
-            t0 = self.clock.now()
-            out = fn()
-            self.records.append((self.stage_index, kind, mb, t0, self.clock.now()))
-            return out
-
-        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            return self._timed("F", fwd_chunk_id,
-                               lambda: super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
-
-        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                               last_backward: bool = False) -> None:
-            self._timed("B" if full_backward else "I", bwd_chunk_id,
-                        lambda: super(TimedStage, self).backward_one_chunk(
-                            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward))
-
-        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-            self._timed("W", bwd_chunk_id,
-                        lambda: super(TimedStage, self).backward_weight_one_chunk(
-                            bwd_chunk_id, last_backward=last_backward))
-
-    return TimedStage
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -183,11 +110,11 @@ class _Built:
 
 
 class _Rank:
-    def __init__(self, plan: RankPlan, rank: int, say: Callable[[str], None]) -> None:
+    def __init__(self, plan: RankPlan, rank: int) -> None:
         from fxsplit.bench.models import ModelConfig, build
         from fxsplit.bench.settings import DTYPES
 
-        self.plan, self.rank, self.say = plan, rank, say
+        self.plan, self.rank = plan, rank
         self.device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if plan.device == "cuda" else "cpu")
         self.dtype = DTYPES[plan.dtype]
         self.n_fine = 2 * plan.ranks
@@ -199,34 +126,25 @@ class _Rank:
         self.mb_shape = shape
         self.x = torch.randn(total, generator=g).to(self.device, self.dtype)
         self.y = torch.randn(total, generator=g).to(self.device, self.dtype)
-        self.clock = _Clock(self.device)
+        self.clock = W.Clock(cuda=self.device.type == "cuda")
         import fxsplit
 
         self.fxsplit_backend = fxsplit.backend(compiler="eager") if plan.compiler == "eager" else fxsplit.backend()
 
     # -- building -----------------------------------------------------------------------------
-    def _stage_ids(self, config: Config, generated: Any) -> tuple[list[int], int]:
-        p, r = self.plan.ranks, self.rank
-        if config.schedule == "Schedule1F1B":
-            return [r], p
-        if config.schedule == "generated":
-            return generated.stages_of(r), self.n_fine
-        if config.schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-            return sorted([r, self.n_fine - 1 - r]), self.n_fine
-        return [r, r + p], self.n_fine
-
     def build(self, config: Config, generated: Any = None) -> _Built:
         import torch.distributed.pipelining as pipelining
-        import torch.distributed.pipelining.schedules as schedules
 
         from fxsplit.pipelining import PipelineStage as FxsplitStage
 
-        ids, n_stages = self._stage_ids(config, generated)
-        stage_cls = _timed_stage_class(FxsplitStage if config.backend == "fxsplit" else pipelining.PipelineStage)
+        ids, n_stages = W.stage_ids(config.schedule, self.rank, self.plan.ranks,
+                                    generated if config.schedule == "generated" else None)
+        stage_cls = W.observed_stage_class(FxsplitStage if config.backend == "fxsplit" else pipelining.PipelineStage)
         stages = []
         for s in ids:
             if config.schedule == "Schedule1F1B":
-                module: nn.Module = Chain([copy.deepcopy(self.templates[2 * s + k].module) for k in (0, 1)])
+                # two stages of the finer cut run as one (a class of ours: compile in place traces it)
+                module: nn.Module = BlockStack([copy.deepcopy(self.templates[2 * s + k].module) for k in (0, 1)])
             else:
                 module = copy.deepcopy(self.templates[s].module)
             if config.backend == "inductor":
@@ -234,14 +152,10 @@ class _Rank:
             elif config.backend == "fxsplit":
                 module.compile(backend=self.fxsplit_backend)
             stage = stage_cls(module, s, n_stages, self.device)
-            stage.records = []
+            stage.recorded = ("F", "B", "I", "W")
             stages.append(stage)
-        if config.schedule == "generated":
-            schedule = generated.build(stages, loss_fn=loss_fn)
-        elif config.schedule == "Schedule1F1B":
-            schedule = schedules.Schedule1F1B(stages[0], self.plan.microbatches, loss_fn=loss_fn)
-        else:
-            schedule = getattr(schedules, config.schedule)(stages, self.plan.microbatches, loss_fn=loss_fn)
+        schedule = W.build_schedule(config.schedule, stages, self.plan.microbatches, loss_fn,
+                                    generated if config.schedule == "generated" else None)
         return _Built(config, stages, schedule, n_stages, 0 in ids, n_stages - 1 in ids)
 
     # -- running ------------------------------------------------------------------------------
@@ -249,23 +163,12 @@ class _Rank:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @staticmethod
-    def region_runs() -> dict[str, int]:
-        """Runs of every live fxsplit region's dI, dW and fused backward graphs so far."""
-        import fxsplit
-
-        totals = dict.fromkeys(REGION_COUNTERS, 0)
-        for region in fxsplit.compiled_regions():
-            for k in REGION_COUNTERS:
-                totals[k] += region.stats.get(k, 0)
-        return totals
-
     def step(self, built: _Built, record: bool) -> tuple[float, list[tuple[int, str, int, float, float]]]:
         """One ``schedule.step()`` between barriers: (this rank's milliseconds, its
         actions as (stage, kind, microbatch, start ms, end ms) when ``record``)."""
         for st in built.stages:
-            st.clock = self.clock if record else None
-            st.records = []
+            st.observers = [self.clock.observer] if record else []
+            st.actions = []
         args = (self.x,) if built.has_first else ()
         kwargs: dict[str, Any] = {"target": self.y, "losses": []} if built.has_last else {}
         dist.barrier()
@@ -280,11 +183,12 @@ class _Rank:
         actions = []
         if record:
             for st in built.stages:
-                actions += [(s, k, m, self.clock.ms(a), self.clock.ms(b)) for s, k, m, a, b in st.records]
+                actions += [(a["stage"], a["kind"], a["mb"], self.clock.ms(a["start"]), self.clock.ms(a["end"]))
+                            for a in st.actions]
             if self.clock.cuda:
                 took = self.clock.ms(end)
         for st in built.stages:
-            st.clock = None
+            st.observers = []
             for p in st.submod.parameters():
                 p.grad = None
         return took, actions
@@ -379,10 +283,11 @@ def _probe_costs(rank: _Rank, built: dict[str, _Built], comm_ms: float) -> Any:
     ))
 
 
-def _run(plan: RankPlan, rank_id: int, say: Callable[[str], None]) -> dict[str, Any]:
+def _run(plan: RankPlan, rank_id: int) -> dict[str, Any]:
     from fxsplit.schedules import generate_schedule
 
-    rank = _Rank(plan, rank_id, say)
+    say = W.progress
+    rank = _Rank(plan, rank_id)
     comm_ms = rank.comm_latency_ms()
     say(f"hand-over of one activation {tuple(rank.mb_shape)} between two ranks: {comm_ms:.3f} ms (ping-pong)")
     built: dict[str, _Built] = {}
@@ -419,11 +324,10 @@ def _run(plan: RankPlan, rank_id: int, say: Callable[[str], None]) -> dict[str, 
     for r in range(plan.reps):
         # each round starts one configuration later, so that none always follows the same one
         for config in CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]:
-            before = rank.region_runs()
+            counted = W.RegionRuns()
             took, acts = rank.step(built[config.key], record=True)
-            after = rank.region_runs()
-            for k in REGION_COUNTERS:
-                runs[config.key][k] += after[k] - before[k]
+            for k, n in counted.delta().items():
+                runs[config.key][k] += n
             steps[config.key].append(took)
             actions[config.key].append(acts)
         if time.perf_counter() - last > 5 or r == plan.reps - 1:
@@ -449,27 +353,12 @@ def _run(plan: RankPlan, rank_id: int, say: Callable[[str], None]) -> dict[str, 
     }
 
 
-def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
-    """Entry point of one spawned rank: reports ``("progress", rank, message)`` (rank 0),
-    then ``("ok", rank, records)`` or ``("error", rank, traceback)`` on ``results``."""
+def threads_per_rank(plan: RankPlan) -> int:
+    """Intra-op threads of each rank: the CPU's cores shared out (one on CUDA)."""
+    return max(1, (os.cpu_count() or 1) // plan.ranks) if plan.device == "cpu" else 1
 
-    def say(message: str) -> None:
-        if rank == 0:
-            results.put(("progress", rank, message))
 
-    try:
-        if plan.device == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.ranks))
-        else:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(plan.port)
-        dist.init_process_group("nccl" if plan.device == "cuda" else "gloo", rank=rank, world_size=plan.ranks,
-                                timeout=datetime.timedelta(seconds=plan.timeout_s))
-        try:
-            out = _run(plan, rank, say)
-        finally:
-            dist.destroy_process_group()
-        results.put(("ok", rank, out))
-    except BaseException:  # everything goes back to the parent, assertion failures included
-        results.put(("error", rank, traceback.format_exc()))
+def rank_main(plan: RankPlan, rank: int, ranks: int) -> dict[str, Any]:
+    """What one rank of the world (:func:`fxsplit.bench.world.run_world`) runs: the
+    raw records of every configuration; rank 0 reports progress on the way."""
+    return _run(plan, rank)
