@@ -4,7 +4,7 @@
 does no weight-gradient work; ``stage_backward_weight`` (W) does that work
 later and accumulates into ``.grad``; ``stage_backward`` is the full
 backward. fxsplit-compiled regions are split by their compiled dI/dW
-graphs; everything else by the eager reverse closure (:mod:`fxsplit.fallback`).
+graphs; everything else by the eager reverse closure (:mod:`fxsplit.stage_plan`).
 
 Misuse (W without B, W twice, B twice, gradients that do not match the
 outputs, another module's weights, double backward, compiled autograd)
@@ -26,7 +26,7 @@ from torch.autograd.graph import GradientEdge
 
 from fxsplit import _torch_internals as ti
 from fxsplit import config
-from fxsplit.fallback import EagerWeightPlan, compiled_only_plan, gradient_edge, plan_eager_weight_work
+from fxsplit.stage_plan import EagerWeightPlan, compiled_only_plan, gradient_edge, plan_eager_weight_work
 from fxsplit.pending import PendingWeightGrads
 from fxsplit.runtime import InputCall, registered, run_directly
 
@@ -263,7 +263,7 @@ def stage_backward_input(
     every compiled region runs its dI graph (the activation-gradient chain
     through the region) and the eager code above the regions runs up to
     them, so W is left with the weight-gradient work; eager code below the
-    regions, and a stage with no region, run at W (see :mod:`fxsplit.fallback`).
+    regions, and a stage with no region, run at W (see :mod:`fxsplit.stage_plan`).
 
     Only this call's autograd call is split: the compiled regions it runs are
     registered on their autograd nodes while it runs, so backward calls of

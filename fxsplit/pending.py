@@ -62,7 +62,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from fxsplit import _torch_internals as ti
 from fxsplit import config
-from fxsplit.fallback import EagerWeightPlan
+from fxsplit.stage_plan import EagerWeightPlan
 from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, registered
 
 __all__ = [

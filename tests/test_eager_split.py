@@ -433,7 +433,7 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
     the region uses was not given (the general plan then decides)."""
     from torch.autograd.graph import GradientEdge
 
-    from fxsplit.fallback import compiled_only_plan
+    from fxsplit.stage_plan import compiled_only_plan
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 4))
@@ -513,7 +513,7 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(
 
     from torch.autograd.graph import GradientEdge
 
-    from fxsplit.fallback import compiled_only_plan
+    from fxsplit.stage_plan import compiled_only_plan
 
     torch.manual_seed(0)
     model = _WithUnused()

@@ -38,7 +38,7 @@ from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxsplit
-from fxsplit.fallback import is_split_region
+from fxsplit.stage_plan import is_split_region
 
 Counts = collections.Counter
 VOCAB, BATCH, SEQ = 64, 4, 16

@@ -1,5 +1,8 @@
-"""The eager split: B/W over ordinary autograd nodes (the reverse-closure idea of
-``torch.distributed.pipelining._backward``), aware of fxsplit-compiled regions.
+"""The plan of a stage's B: which compiled regions it splits, the eager split over the
+ordinary autograd nodes around them (the reverse-closure idea of
+``torch.distributed.pipelining._backward``), and what it leaves to W. Every B is
+planned here, a stage of compiled regions only (:func:`compiled_only_plan`) as any
+other (:func:`plan_eager_weight_work`).
 
 Terms used below, for one stage:
 
