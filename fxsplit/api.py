@@ -28,7 +28,7 @@ from fxsplit import _torch_internals as ti
 from fxsplit import config
 from fxsplit.stage_plan import EagerWeightPlan, compiled_only_plan, gradient_edge, plan_eager_weight_work
 from fxsplit.pending import PendingWeightGrads
-from fxsplit.runtime import InputCall, registered, run_directly
+from fxsplit.runtime import DeferredGrad, InputCall, registered, run_directly
 
 log = logging.getLogger("fxsplit")
 
@@ -323,6 +323,17 @@ def stage_backward_input(
             saved[k] = tuple(grad_outputs)
 
         handles.append(node.register_prehook(save))
+    # A node that computes all its edges' gradients in one call runs once, here:
+    # what it produces for the weight side is kept for W (stage_plan's ``once``).
+    deferred: list[DeferredGrad] = []
+    for node in plan.once:
+
+        def keep(grads: tuple[torch.Tensor | None, ...], _: Any, node: Any = node) -> None:
+            for (child, nr), g in zip(node.next_functions, grads):
+                if g is not None and child is not None:
+                    deferred.append(DeferredGrad(node, child, nr, g))
+
+        handles.append(node.register_hook(keep))
 
     # The compiled regions this call runs (exactly the split regions in the B
     # set) run their dI graph only, and only while this call runs.
@@ -377,7 +388,7 @@ def stage_backward_input(
                 v.grad += g
 
     del captures
-    work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
+    work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred + deferred, out_edges, grads)
     work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
     if retain:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
         anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]

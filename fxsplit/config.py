@@ -44,6 +44,17 @@
   ``True``: on every device; ``False``: never. Read when B runs;
   ``FXSPLIT_DIRECT_B`` (``auto``, ``1``, ``0``) sets it.
 
+* ``whole_nodes``: what B and W do with an autograd node whose one backward call
+  computes the gradients of all its edges (a custom ``torch.autograd.Function``,
+  a region compiled by another backend) and whose gradients feed both B and a
+  weight W computes by eager autograd. ``"once"`` (the default): it runs at B
+  only; B keeps the gradients it produced for the weight side (counted in
+  ``PendingWeightGrads.held_bytes``, up to a weight's size each) and W commits
+  them through autograd. ``"again"``: B keeps the gradients flowing into it
+  instead and W runs it again (its backward's FLOPs twice, nothing
+  weight-sized held between B and W). Read when B runs; ``FXSPLIT_WHOLE_NODES``
+  sets it.
+
 ``fallback``, ``defer`` and ``lazy_compile`` are read when a region compiles, so a change
 applies to regions compiled afterwards::
 
@@ -64,6 +75,7 @@ from fxsplit.passes.placement import DEFER_MODES
 
 __all__ = [
     "DEFERS", "FALLBACKS", "current", "defer", "direct_b", "fallback", "fused_accumulation", "lazy_compile", "patch",
+    "whole_nodes",
 ]
 
 FALLBACKS = ("eager", "error")
@@ -83,6 +95,7 @@ direct_b: bool | str = (
     "auto" if os.environ.get("FXSPLIT_DIRECT_B", "auto").strip().lower() == "auto"
     else _env_flag("FXSPLIT_DIRECT_B", True)
 )
+whole_nodes: str = os.environ.get("FXSPLIT_WHOLE_NODES", "once").strip().lower()
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "fallback": FALLBACKS,
@@ -90,6 +103,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "lazy_compile": (True, False),
     "fused_accumulation": (True, False),
     "direct_b": ("auto", True, False),
+    "whole_nodes": ("once", "again"),
 }
 
 

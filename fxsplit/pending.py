@@ -83,8 +83,10 @@ class EagerGroup:
     gradients ``grads`` B saved flowing into them; their input is pinned to
     those, so nothing reaching them from another start is counted twice) and
     at ``edges`` with ``edge_grads`` (dI values compiled regions computed in B
-    for an eager weight, and stage outputs whose backward is all weight work).
-    ``edge_kinds`` says which, for :meth:`PendingWeightGrads.explain`.
+    for an eager weight, gradients a node that ran once in B produced for the
+    weight side, and stage outputs whose backward is all weight work).
+    ``edge_kinds`` says which (``"region"``, ``"once:<node name>"``, ``"output"``),
+    for :meth:`PendingWeightGrads.explain`.
     """
 
     weights: tuple[torch.Tensor, ...]
@@ -598,6 +600,14 @@ class ParamGroup(Mapping[str, Any]):
                 + ("" if key != "grads" else ": this group is a compiled region's dW graph, which has no intermediates")
             )
         value = list(value)
+        once = [k[5:] for k in self._eager.edge_kinds if k.startswith("once:")]
+        if once and not self._eager.intermediates:
+            raise TypeError(
+                f"fxsplit: param_groups[...]['grads'] cannot be set on this group: its gradients were computed at B "
+                f"by {', '.join(sorted(set(once)))}, which ran once (fxsplit.config.whole_nodes='once') and has no "
+                "gradient left to replace; with fxsplit.config.whole_nodes='again' such a node is an intermediate "
+                "whose saved gradients can be replaced, as upstream's"
+            )
         if len(value) != len(self._eager.intermediates):
             raise ValueError(
                 f"fxsplit: grads must have one entry per intermediate ({len(self._eager.intermediates)}), "
@@ -732,9 +742,11 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             if k is not None and d.node in plan.w_side:
                 handed.setdefault(k, []).append((GradientEdge(d.node, d.input_nr), d.value))
         groups = []
+        once = set(plan.once)
         for g in plan.groups:
             edges = [e for k in g.regions for e in handed.get(k, ())]
-            kinds = ["region"] * len(edges)
+            kinds = [f"once:{plan.region_starts[k].name()}" if plan.region_starts[k] in once else "region"
+                     for k in g.regions for _ in handed.get(k, ())]
             edges += [(out_edges[j], out_grads[j]) for j in g.roots]
             kinds += ["output"] * len(g.roots)
             groups.append(
@@ -835,11 +847,13 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         regions = ", ".join(sorted({r.region for r in self.compiled})) or "none"
         n_inter = sum(len(g.intermediates) for g in self.groups)
         n_edges = sum(len(g.edges) for g in self.groups)
+        once = sorted({k[5:] for g in self.groups for k in g.edge_kinds if k.startswith("once:")})
         return (
             f"compiled W work: {len(self.compiled)} region call(s) ({regions}); "
             f"eager W work: {len(self.eager_weights)} weight(s) via "
             f"{n_inter} intermediate node(s) and {n_edges} edge(s); "
-            f"held for W: {self.live_in_bytes} bytes"
+            + (f"ran once in B, their weight-side gradients held: {', '.join(once)}; " if once else "")
+            + f"held for W: {self.live_in_bytes} bytes"
             + ("" if not self.done else " [done]")
         )
 
@@ -860,7 +874,12 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     "saved bytes"
                 )
             for edge, value, kind in zip(g.edges, g.edge_grads, g.edge_kinds):
-                if kind == "region":
+                if kind.startswith("once:"):
+                    lines.append(
+                        f"once      {kind[5:]} ran once, in B (one call computes all its edges' gradients); "
+                        f"W starts autograd at {edge.node.name()} from the {_nbytes([value])} bytes it produced"
+                    )
+                elif kind == "region":
                     lines.append(
                         f"eager     {edge.node.name()}: its input gradient came from a compiled dI graph in B; "
                         f"W starts autograd here from {_nbytes([value])} held bytes"

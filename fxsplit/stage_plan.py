@@ -66,7 +66,9 @@ from torch.autograd.graph import GradientEdge, Node
 from fxsplit import _torch_internals as ti
 from fxsplit.runtime import CompiledSplitBackward, items_getter
 
-__all__ = ["EagerWeightPlan", "WeightGroup", "compiled_only_plan", "gradient_edge", "plan_eager_weight_work"]
+__all__ = [
+    "EagerWeightPlan", "WeightGroup", "compiled_only_plan", "gradient_edge", "plan_eager_weight_work", "runs_whole",
+]
 
 
 def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
@@ -91,6 +93,27 @@ def is_split_region(node: Node) -> bool:
     if known is None:
         known = isinstance(ti.compiled_backward_of(node), CompiledSplitBackward)
         setattr(cls, _SPLIT_ATTR, known)
+    return known
+
+
+# Whether a node is a Python autograd Function's (a custom ``torch.autograd.Function``, or
+# a region another backend compiled through AOTAutograd) that is no fxsplit split
+# region: its backward computes every edge's gradient in one call, whichever the
+# engine needs. Kept on the class like _SPLIT_ATTR.
+_WHOLE_ATTR = "_fxsplit_runs_whole"
+
+
+def runs_whole(node: Node) -> bool:
+    """Whether ``node``'s one backward call yields the gradients of all its edges
+    (a Python ``torch.autograd.Function``'s node, a region compiled by another
+    backend), not only those the engine asks for, as torch's own nodes do."""
+    cls = getattr(node, "_forward_cls", None)
+    if cls is None:
+        return False
+    known = cls.__dict__.get(_WHOLE_ATTR)
+    if known is None:
+        known = not is_split_region(node)
+        setattr(cls, _WHOLE_ATTR, known)
     return known
 
 
@@ -147,7 +170,14 @@ class EagerWeightPlan:
     """What W must do by running autograd (the non-compiled part of W).
 
     ``intermediates``: eager B-set nodes whose incoming gradients B saves for W.
-    ``region_starts``: B-set split regions whose unused dI outputs start W.
+    ``region_starts``: B-set split regions whose unused dI outputs start W,
+    and the nodes of ``once``.
+    ``once``: B-set nodes that compute every edge's gradient in one call
+    (:func:`runs_whole`: custom Functions, regions of other backends) with an
+    edge into the W side. They run once, at B: B keeps the gradients they
+    produce along their W-side edges, and W starts from those edges, as from
+    a split region's hand-over (``fxsplit.config.whole_nodes == "once"``, the
+    default; ``"again"``: they are intermediates, re-run at W).
     ``w_roots``: indices of stage output edges W starts from with the output
     gradients (outputs whose backward is all weight work).
     ``groups``: one autograd call each in W.
@@ -180,6 +210,7 @@ class EagerWeightPlan:
     groups: list[WeightGroup] = dataclasses.field(default_factory=list)
     unreached: int = 0
     region_starts: list[Node] = dataclasses.field(default_factory=list)
+    once: list[Node] = dataclasses.field(default_factory=list)
     split_regions: list[Node] = dataclasses.field(default_factory=list)
     w_side: set[Node] = dataclasses.field(default_factory=set)
     rerun: set[Node] = dataclasses.field(default_factory=set)
@@ -240,7 +271,8 @@ class EagerWeightPlan:
 
 # The fields of a compiled-only plan that are the same on every B (empty).
 _COMPILED_ONLY_FIELDS: dict[str, Any] = {
-    "intermediates": [], "w_roots": [], "groups": [], "unreached": 0, "region_starts": [], "w_side": frozenset(),
+    "intermediates": [], "w_roots": [], "groups": [], "unreached": 0, "region_starts": [], "once": [],
+    "w_side": frozenset(),
     "rerun": frozenset(), "release": [], "above": [], "bottom_regions": [], "captures": [],
 }
 
@@ -538,6 +570,12 @@ def _arrangement(
     )
 
 
+def _once() -> bool:
+    from fxsplit import config
+
+    return config.current("whole_nodes") == "once"
+
+
 def plan_eager_weight_work(
     output_edges: Sequence[GradientEdge],
     input_nodes: Sequence[Node],
@@ -602,8 +640,10 @@ def plan_eager_weight_work(
             w_roots.update(dict.fromkeys(sorted(outs)))
             w_side.update(seen)
             starts.append((w, set(inter), outs))
-    eager = [n for n in intermediates if n not in split]
-    regions = [n for n in intermediates if n in split]
+    whole = [n for n in intermediates if n not in split and runs_whole(n)]
+    once = dict.fromkeys(whole) if whole and _once() else {}
+    eager = [n for n in intermediates if n not in split and n not in once]
+    regions = [n for n in intermediates if n in split or n in once]
     index_of = {n: k for k, n in enumerate(eager)}
     region_index_of = {n: k for k, n in enumerate(regions)}
     groups = _group_weights(starts, index_of, region_index_of, node_of)
@@ -620,6 +660,7 @@ def plan_eager_weight_work(
         groups,
         unreached=len(unreached),
         region_starts=regions,
+        once=list(once),
         split_regions=[n for n in b_set if n in split],
         w_side=w_side,
         rerun=rerun,

@@ -6,7 +6,9 @@ whole in place, float inputs and an MSE loss; ``"lm"``, a language model:
 stage 0 takes token ids through an eager ``nn.Embedding`` (its inputs need
 no gradient), every stage's blocks are compiled in place, and the last
 stage has an eager head (LayerNorm, Linear to the vocabulary) under a
-cross-entropy loss. :func:`run_case` runs two optimizer steps of an upstream
+cross-entropy loss; ``"fn"``, uncompiled stages of custom autograd Functions
+(:class:`zoo.FunctionStage`: nodes whose one backward call computes every
+gradient), float inputs and an MSE loss. :func:`run_case` runs two optimizer steps of an upstream
 schedule (or a generated one) over fxsplit ``PipelineStage`` s through
 :func:`multirank.drive`, which checks every microbatch loss and every
 parameter gradient against a single-process non-pipelined eager reference.
@@ -54,12 +56,16 @@ def build_reference(n_stages: int, layout: str = "float") -> list[nn.Module]:
     if layout == "lm":
         return [zoo.LMStage(per, D_MODEL, N_HEADS, VOCAB, first=(s == 0), last=(s == n_stages - 1))
                 for s in range(n_stages)]
+    if layout == "fn":
+        return [zoo.FunctionStage(D_MODEL, last=(s == n_stages - 1)) for s in range(n_stages)]
     return [stage_module(per, last=(s == n_stages - 1)) for s in range(n_stages)]
 
 
 def compile_stage(module: nn.Module, layout: str, backend: Any) -> None:
-    """In place (the schedules refuse OptimizedModule): the whole stage, or (``"lm"``) its body."""
-    (module.body if layout == "lm" else module).compile(backend=backend)
+    """In place (the schedules refuse OptimizedModule): the whole stage, or (``"lm"``) its
+    body; ``"fn"`` stages stay eager."""
+    if layout != "fn":
+        (module.body if layout == "lm" else module).compile(backend=backend)
 
 
 def make_data(step: int, layout: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +99,7 @@ class Case:
     schedule: str
     compiler: str = "eager"
     fused_backward: bool = True
-    layout: str = "float"  # or "lm" (see the module docs)
+    layout: str = "float"  # or "lm", "fn" (see the module docs)
     # schedule "generated": a fxsplit.schedules.GeneratedSchedule, run by its build()
     generated: Any = None
 

@@ -30,6 +30,7 @@ import pipeline_harness as harness  # noqa: E402
 
 ZERO_BUBBLE = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 LM_SCHEDULES = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+FN_SCHEDULES = ("ScheduleZBVZeroBubble",)
 TOKENS = harness.MB_BATCH * harness.SEQ
 
 
@@ -45,6 +46,7 @@ def eager_world() -> dict[str, list[dict[str, Any]]]:
     2-rank world running every case this torch can run."""
     cases = [harness.Case(name) for name in harness.RUNNABLE_SCHEDULES]
     cases += [harness.Case(name, layout="lm") for name in LM_SCHEDULES if name in harness.RUNNABLE_SCHEDULES]
+    cases += [harness.Case(name, layout="fn") for name in FN_SCHEDULES if name in harness.RUNNABLE_SCHEDULES]
     per_rank = harness.run_world(cases, timeout_s=300)
     by_key: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for rank_results in per_rank:
@@ -221,3 +223,23 @@ def test_builtin_module_compiled_in_place_is_reported() -> None:
     assert _builtin_modules_compiled_in_place(seq) == []
     seq.compile(backend=fxsplit.backend(compiler="eager"))
     assert _builtin_modules_compiled_in_place(seq) == ["Sequential"]
+
+
+@pytest.mark.parametrize("schedule", FN_SCHEDULES)
+def test_custom_functions_run_once_per_microbatch(eager_world: dict[str, list[dict[str, Any]]], schedule: str) -> None:
+    """Uncompiled stages of custom autograd Functions (each computes its input and
+    weight gradients in one call): losses and gradients equal the single-process
+    run (checked in-rank), and per stage and microbatch I and W together do exactly
+    the FLOPs of one ordinary backward of the stage: no Function runs twice."""
+    _skip_where_upstream_fails(schedule)
+    results = eager_world[f"{schedule}:fn"]
+    _check_losses_and_grads(results)
+    for r in results:
+        flops: dict[tuple[int, int], int] = collections.Counter()
+        for a in r["actions"]:
+            assert a["kind"] in ("I", "W"), a
+            flops[(a["stage"], a["mb"])] += a["flops"]
+        for (s, mb), total in flops.items():
+            full = r["reference_flops"][s][1]
+            assert total == full > 0, f"stage {s} microbatch {mb}: I + W = {total} FLOPs, ordinary backward {full}"
+        assert {s for s, _ in flops} == set(r["stages"])

@@ -234,9 +234,13 @@ def test_param_groups_grads_can_be_replaced_on_eager_groups(injected: tuple[Any,
     """Upstream's grad-validation case: the caller iterates param_groups and
     replaces each group's saved "grads" (None entries allowed) before W.
     Here the injected values make W's result exactly predictable: the
-    intermediate passes its gradient straight through to the weight."""
+    intermediate passes its gradient straight through to the weight.
+    The intermediate is a custom Function, which runs once at B by default
+    (see the next test): with ``whole_nodes="again"`` it is upstream's
+    intermediate, re-run at W from its replaceable saved gradients."""
     mod, _, x, _ = pair(TwoOutputIntermediate)
-    _, groups = fxsplit.stage_backward_input([mod(x).sum()], None, [x], mod.parameters())
+    with fxsplit.config.patch(whole_nodes="again"):
+        _, groups = fxsplit.stage_backward_input([mod(x).sum()], None, [x], mod.parameters())
     (group,) = list(groups)
     assert set(group) == {"params", "intermediates", "grads"}
     assert group["params"] == {torch.autograd.graph.get_gradient_edge(mod.w).node}
@@ -250,6 +254,23 @@ def test_param_groups_grads_can_be_replaced_on_eager_groups(injected: tuple[Any,
     # A Python autograd.Function sees a missing gradient as zeros (materialize_grads).
     expected = torch.zeros(shapes[1]) if mock[1] is None else mock[1]
     torch.testing.assert_close(mod.w.grad, expected)
+
+
+def test_param_groups_of_a_node_that_ran_once() -> None:
+    """Documented difference: a custom Function runs once, at B (``whole_nodes="once"``,
+    the default); its group has no intermediate whose "grads" could be replaced, and
+    setting them raises, naming the option that restores upstream's behaviour. W
+    still gives ordinary backward's gradients."""
+    mod, ref, x, rx = pair(TwoOutputIntermediate)
+    _, groups = fxsplit.stage_backward_input([mod(x).sum()], None, [x], mod.parameters())
+    (group,) = list(groups)
+    assert group["params"] == {torch.autograd.graph.get_gradient_edge(mod.w).node}
+    assert group["intermediates"] == [] and group["grads"] == []
+    with pytest.raises(TypeError, match=r"PassThroughBackward, which ran once.*whole_nodes='again'"):
+        group["grads"] = [(torch.ones(BATCH, D // 2), None)]
+    fxsplit.stage_backward_weight(mod.parameters(), groups)
+    ref(rx).sum().backward()
+    assert_params_match(mod, ref)
 
 
 @pytest.mark.parametrize("mode", ["compiled", pytest.param("inductor", marks=pytest.mark.inductor)])

@@ -48,8 +48,9 @@ import fxsplit
 from fxsplit.bench.models import Block, LlamaBlock, MoEFeedForward, RMSNorm, grouped_mm_experts
 
 __all__ = [
-    "BlockStage", "Blocks", "CASES", "Case", "FLOP_FORMULAS", "LMStage", "MoEStage", "NormHead", "Projection",
-    "TPStage", "RULE_HALVES", "STAGE_CASES", "StageCase", "WEIGHT_SHARE", "case",
+    "BlockStage", "Blocks", "CASES", "Case", "FLOP_FORMULAS", "FnLinear", "FunctionStage", "LMStage", "LinearFn",
+    "MoEStage", "NormHead", "PairFn", "Projection", "RULE_HALVES", "STAGE_CASES", "ScaleFn", "StageCase", "TPStage",
+    "WEIGHT_SHARE", "case",
     "clone_inputs", "expert_mm", "expert_mm_backward", "expert_mm_backward_flops", "expert_mm_backward_rule",
     "expert_mm_flops", "expert_mm_input_grad", "expert_mm_input_grad_flops", "expert_mm_weight_grad",
     "expert_mm_weight_grad_flops", "forward", "grad_outputs", "make_grads", "settle",
@@ -803,3 +804,103 @@ class MoEStage(nn.Module):
         out = self._experts(got[perm], received.view(ep, local).sum(0))
         back = torch.empty_like(out).index_copy(0, perm, out)
         return all_to_all_single_autograd(back, send, recv, group)
+
+
+# ---------------------------------------------------------------- custom autograd Functions ---
+# Nodes whose one backward call computes every edge's gradient (what B keeps for W
+# instead of running them twice: ``fxsplit.config.whole_nodes``).
+
+
+class LinearFn(torch.autograd.Function):
+    """``x @ w.T + b`` with a ctx-style ``forward(ctx, ...)``; the backward skips the
+    gradients ``ctx.needs_input_grad`` says nobody needs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        rows, xs = g.flatten(0, -2), x.flatten(0, -2)
+        return (g @ w if ctx.needs_input_grad[0] else None, rows.t() @ xs if ctx.needs_input_grad[1] else None,
+                rows.sum(0) if ctx.needs_input_grad[2] else None)
+
+
+class ScaleFn(torch.autograd.Function):
+    """``x * w * factor`` (``factor`` a Python float) in the ``setup_context`` style."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * w * factor
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, w, factor = inputs
+        ctx.save_for_backward(x, w)
+        ctx.factor = factor
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        return g * w * ctx.factor, (g * x * ctx.factor).flatten(0, -2).sum(0), None
+
+
+class PairFn(torch.autograd.Function):
+    """Two outputs, ``(x @ w, x @ w2)``, ``once_differentiable``: its backward returns
+    ``None`` for ``w2`` when the second output got no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x, w, w2)
+        return x @ w, x @ w2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: torch.Tensor, g2: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        x, w, w2 = ctx.saved_tensors
+        xs = x.flatten(0, -2)
+        dx = g @ w.t()
+        dw2 = None
+        if g2 is not None:
+            dx = dx + g2 @ w2.t()
+            dw2 = xs.t() @ g2.flatten(0, -2)
+        return dx, xs.t() @ g.flatten(0, -2), dw2
+
+
+class FnLinear(nn.Module):
+    """A Linear layer through :class:`LinearFn`."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
+        self.bias = nn.Parameter(torch.randn(d_out) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return LinearFn.apply(x, self.weight, self.bias)
+
+
+class FunctionStage(nn.Module):
+    """A stage of custom Functions around torch's own ops: an ``nn.Linear``, a
+    :class:`FnLinear`, a :class:`ScaleFn`, a :class:`PairFn` of which both outputs
+    are used, GELU, and a last :class:`FnLinear` (with ``last``, a LayerNorm first)."""
+
+    def __init__(self, dim: int, last: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.fn1 = FnLinear(dim, dim)
+        self.scale = nn.Parameter(torch.rand(dim) + 0.5)
+        self.pair_a = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.pair_b = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.norm = nn.LayerNorm(dim) if last else None
+        self.fn2 = FnLinear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fn1(self.inp(x))
+        h = ScaleFn.apply(h, self.scale, 0.5)
+        a, b = PairFn.apply(h, self.pair_a, self.pair_b)
+        h = F.gelu(a) + b
+        if self.norm is not None:
+            h = self.norm(h)
+        return x + self.fn2(h)
