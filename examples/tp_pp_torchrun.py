@@ -1,7 +1,7 @@
 """Tensor x pipeline (x FSDP2) parallelism: a small Llama-style LM on ZB-V, CPU with gloo.
 
     torchrun --nproc-per-node 4 examples/tp_pp_torchrun.py [--tp 2] [--dp 1] [--no-sp]
-        [--compiler inductor|eager] [--backend fxsplit|inductor] [--steps 3]
+        [--compiler inductor|eager] [--backend fxsplit|inductor] [--whole-nodes once|again] [--steps 3]
 
 The ranks form a ``(pp, dp, tp)`` device mesh, tensor parallelism innermost
 (``tp`` consecutive ranks, on one node when run on several). Each pipeline
@@ -26,9 +26,12 @@ profiled: rank 0 prints the collectives every rank issued by action, and
 each rank's fxsplit region counters.
 
 ``--backend inductor`` compiles the same modules with ``backend="inductor"``
-instead, for comparison: fxsplit's stage then splits them eagerly, as
-upstream splits compiled stages (each region's whole compiled backward runs
-at ``I``, and again at ``W``, every collective included).
+instead, for comparison: fxsplit's stage then splits them eagerly. Each
+region's whole compiled backward runs once, at ``I``, and ``W`` commits the
+weight gradients it kept (``fxsplit.config.whole_nodes="once"``, the
+default); ``--whole-nodes again`` splits them as upstream splits compiled
+stages: the whole backward at ``I``, and again at ``W``, every collective
+included.
 """
 
 from __future__ import annotations
@@ -154,8 +157,11 @@ def main() -> None:
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
                         help="fxsplit's inner compiler")
     parser.add_argument("--backend", default="fxsplit", choices=["fxsplit", "inductor"],
-                        help="inductor: no ahead-of-time split, for comparison (the eager split re-runs each "
-                             "region's whole backward at W)")
+                        help="inductor: no ahead-of-time split, for comparison (the eager split runs each "
+                             "region's whole backward at I)")
+    parser.add_argument("--whole-nodes", default="once", choices=["once", "again"],
+                        help="fxsplit.config.whole_nodes for --backend inductor: again re-runs each region's "
+                             "whole backward at W, as upstream's split does")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
@@ -180,8 +186,10 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial weights on every rank; each keeps its shards of its stages
     all_stages = [Stage(args, first=(s == 0), last=(s == n_stages - 1)) for s in range(n_stages)]
+    fxsplit.config.whole_nodes = args.whole_nodes
     if args.backend == "inductor":
-        # W re-runs each region's backward from what I saved, which AOTAutograd's donated buffers forbid
+        # W runs regions' backwards with the graph kept (stage 0's, which has no input gradient for
+        # I to compute; with --whole-nodes again every region's), which donated buffers forbid
         torch._functorch.config.donated_buffer = False
     backend = fxsplit.backend(compiler=args.compiler) if args.backend == "fxsplit" else "inductor"
     stages = []
@@ -233,7 +241,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"\nTP (tp={args.tp}, sequence parallel: {args.sp}) x ZB-V (pp={pp})"
               f"{f' x FSDP2 (dp={args.dp})' if args.dp > 1 else ''}, {args.microbatches} microbatches, "
-              f"{f'compiler={args.compiler}' if args.backend == 'fxsplit' else 'backend=inductor'}, "
+              f"{f'compiler={args.compiler}' if args.backend == 'fxsplit' else f'backend=inductor, whole_nodes={args.whole_nodes}'}, "
               f"torch {torch.__version__}")
         for r, (ids, c, cm) in enumerate(gathered):
             print(f"rank {r} stages {ids}: fxsplit counters (all steps) {c}")

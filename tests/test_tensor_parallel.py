@@ -180,12 +180,18 @@ def test_plain_weights_of_a_tp_region_accumulate_in_the_graph(tp_world: dict[str
 def test_inductor_tp_block_and_the_eager_split_for_comparison() -> None:
     """With Inductor: the sequence-parallel block splits as with the eager compiler.
     For comparison, the same block compiled by backend="inductor" through fxsplit's
-    eager split (the way upstream splits compiled stages): B runs the region's
-    whole backward, and W runs it again, every collective and matmul included."""
-    cases = [LayerCase("block", sp=True, compiler="inductor"), th.EagerSplitCase(sp=True)]
+    eager split: with whole_nodes="again" (the way upstream splits compiled stages)
+    B runs the region's whole backward and W runs it again, every collective and
+    matmul included; by default it runs once, at B, and W only commits the DTensor
+    gradients B kept (no collective, no matmul)."""
+    cases = [LayerCase("block", sp=True, compiler="inductor"), th.EagerSplitCase(sp=True),
+             th.EagerSplitCase(sp=True, whole_nodes="once")]
     per_rank = ph.run_world(cases, world=th.TP, timeout_s=600, runner=th.run_tp_case)
     expected = _counts([GATHER, SCATTER] * 2)
-    for split, eager in per_rank:
+    for split, eager, once in per_rank:
+        (b_coll, b_flops), (w_coll, w_flops), (o_coll, o_flops) = once["b"], once["w"], once["ordinary"]
+        assert b_coll == o_coll == expected and w_coll == {}, (once["rank"], once)
+        assert b_flops == o_flops > 0 and w_flops == 0, (once["rank"], once)
         where = f"rank {split['rank']}"
         assert split["di_collectives"] == [GATHER, SCATTER] * 2 and split["dw_collectives"] == [], where
         for k in range(th.N_MICROBATCHES):

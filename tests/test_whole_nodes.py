@@ -95,8 +95,33 @@ def _broken() -> tuple[nn.Module, Callable[[nn.Module], None]]:
     return BrokenAroundFunction(), lambda m: m.compile(backend=fxsplit.backend(compiler="eager"))
 
 
+class OneOutputUsed(nn.Module):
+    """A :class:`zoo.PairFn` whose second output is unused: its backward gets no gradient
+    for it and returns ``None`` for ``w2``, which then gets no gradient at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(D, D) / D**0.5)
+        self.w2 = nn.Parameter(torch.randn(D, D) / D**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, _ = zoo.PairFn.apply(self.lin(x), self.w, self.w2)
+        return x + a
+
+
+def _beside_fxsplit() -> tuple[nn.Module, Callable[[nn.Module], None]]:
+    def prepare(m: nn.Module) -> None:
+        m.a.compile(backend="aot_eager")
+        m.b.compile(backend=fxsplit.backend(compiler="eager"))
+
+    return TwoBlocks(), prepare
+
+
 STAGES = {
     "custom_functions": _functions,
+    "block_aot_eager_beside_an_fxsplit_block": _beside_fxsplit,
+    "function_returning_none_for_an_edge": lambda: (OneOutputUsed(), lambda m: None),
     "custom_functions_fxsplit": _functions_compiled,
     "block_aot_eager": _block_by("aot_eager"),
     "fxsplit_graph_break_around_function": _broken,

@@ -17,10 +17,10 @@ input. It returns what the parent checks: the collectives each phase ran
 (profiler), the matmul FLOPs of each phase, and where the split placed the
 collectives (dI or dW graph).
 
-:func:`run_eager_split_case` is the comparison the issue asks for: a
-TP block compiled by Inductor (``backend="inductor"``), split by fxsplit's
-eager split, which runs the region's whole compiled backward at B and again
-at W.
+:func:`run_eager_split_case` is a comparison: a TP block compiled by
+Inductor (``backend="inductor"``), split by fxsplit's eager split, which runs
+the region's whole compiled backward once at B (``whole_nodes="once"``) or at
+B and again at W (``"again"``, upstream's way).
 """
 
 from __future__ import annotations
@@ -459,14 +459,17 @@ def _fused_graph(region: Any) -> torch.fx.GraphModule:
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class EagerSplitCase:
-    """The TP block compiled by ``backend=...`` (not fxsplit), split by fxsplit's eager split."""
+    """The TP block compiled by ``backend=...`` (not fxsplit), split by fxsplit's eager split
+    with ``fxsplit.config.whole_nodes`` = ``whole_nodes`` (``"again"``: the way upstream
+    splits compiled stages, the region's backward at B and again at W)."""
 
     sp: bool = True
     backend: str = "inductor"
+    whole_nodes: str = "again"
 
     @property
     def name(self) -> str:
-        return f"eager-split-{self.backend}{'-sp' if self.sp else ''}"
+        return f"eager-split-{self.backend}{'-sp' if self.sp else ''}-{self.whole_nodes}"
 
 
 def run_eager_split_case(case: EagerSplitCase, rank: int, world: int) -> dict[str, Any]:
@@ -485,9 +488,9 @@ def run_eager_split_case(case: EagerSplitCase, rank: int, world: int) -> dict[st
     layer = LayerCase("block", sp=case.sp)
     reference, plan = build(layer)
     (x, dy, xl, dyl), = data(layer, rank)[:1]
-    # W re-runs the region's backward from what B saved (retain_graph): AOTAutograd's
+    # "again": W re-runs the region's backward from what B saved (retain_graph): AOTAutograd's
     # donated buffers forbid that, as with upstream's split.
-    with functorch_config.patch(donated_buffer=False):
+    with functorch_config.patch(donated_buffer=False), fxsplit.config.patch(whole_nodes=case.whole_nodes):
         copies = {}
         for name in ("split", "ordinary"):
             m = copy.deepcopy(reference)
