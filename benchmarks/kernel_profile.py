@@ -19,7 +19,6 @@ import argparse
 import collections
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile

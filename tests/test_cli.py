@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fxsplit import cli
-from fxsplit.bench import allocator, baselines, settings
+from fxsplit.bench import allocator, settings
 from fxsplit.bench import run as bench
 from fxsplit.bench.models import MODELS
 

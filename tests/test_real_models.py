@@ -17,7 +17,6 @@ each test's id.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
