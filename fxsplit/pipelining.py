@@ -172,8 +172,9 @@ class PipelineStage(_UpstreamPipelineStage):
     ``scale_grads`` runs once, at ``REDUCE_GRAD``, after the synchronisation.
 
     Raises ``ValueError`` at construction if ``dw_builder`` is given (it would
-    replace the split this class exists for) or the data-parallel wrapping is
-    one the schedule cannot drive (see ``_data_parallel_kind``).
+    replace the split this class exists for), and at construction or when
+    :attr:`submod` is set again if the data-parallel wrapping is one the
+    schedule cannot drive (see ``_data_parallel_kind``).
     """
 
     def __init__(self, submodule: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -183,8 +184,24 @@ class PipelineStage(_UpstreamPipelineStage):
                 "fxsplit.pipelining.PipelineStage: dw_builder replaces the B/W split with your own W runner; "
                 "use torch.distributed.pipelining.PipelineStage for that"
             )
-        self._data_parallel = _data_parallel_kind(submodule)
-        skipped = _builtin_modules_compiled_in_place(submodule)
+        super().__init__(submodule, *args, **kwargs)  # sets self.submod first thing (see below)
+        # FSDP2 with manual backward finalization (torch >= 2.15): set by a forward that
+        # enabled it, cleared by perform_reduce_grad (see forward_maybe_with_nosync).
+        self._fsdp_finalization_armed = False
+
+    @property
+    def submod(self) -> torch.nn.Module:
+        """The stage module. Set again after construction (torchtitan's ``pipeline_llm``
+        builds the stages first, then sets each one's module to its parallelized and
+        compiled version), the new module's data-parallel wrapping is checked and
+        followed from then on: a wrapping the schedule cannot drive raises
+        ``ValueError`` and leaves the stage as it was."""
+        return self._submod
+
+    @submod.setter
+    def submod(self, module: torch.nn.Module) -> None:
+        kind = _data_parallel_kind(module)
+        skipped = _builtin_modules_compiled_in_place(module)
         if skipped:
             log.warning(
                 "fxsplit.pipelining.PipelineStage: .compile() was called on built-in torch.nn module(s) %s; "
@@ -192,10 +209,7 @@ class PipelineStage(_UpstreamPipelineStage):
                 "Compile modules of your own classes instead (e.g. each transformer block).",
                 ", ".join(skipped),
             )
-        super().__init__(submodule, *args, **kwargs)
-        # FSDP2 with manual backward finalization (torch >= 2.15): set by a forward that
-        # enabled it, cleared by perform_reduce_grad (see forward_maybe_with_nosync).
-        self._fsdp_finalization_armed = False
+        self._submod, self._data_parallel = module, kind
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         """Upstream's forward, with FSDP2's manual backward finalization enabled first

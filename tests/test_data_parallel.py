@@ -248,6 +248,27 @@ def test_ddp_inside_the_stage_module_is_refused(one_rank: Any) -> None:
         PipelineStage(module, 0, 1, torch.device("cpu"))
 
 
+def test_a_module_set_after_construction_is_checked_and_followed(one_rank: Any) -> None:
+    """torchtitan builds the stages first and sets ``stage.submod`` to the parallelized
+    module afterwards: the stage then drives that module's wrapper, and a wrapping it
+    cannot drive raises there, leaving the stage as it was."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fxsplit.pipelining import PipelineStage
+
+    module = _stage_module()
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+    assert stage.submod is module and stage._data_parallel is None
+    wrapped = DistributedDataParallel(module)
+    stage.submod = wrapped
+    assert stage.submod is wrapped and stage._data_parallel == "ddp"
+    bad = _stage_module()
+    bad.blocks[0] = DistributedDataParallel(bad.blocks[0])
+    with pytest.raises(ValueError, match=r"DistributedDataParallel is applied to submodule\(s\) blocks.0"):
+        stage.submod = bad
+    assert stage.submod is wrapped and stage._data_parallel == "ddp"
+
+
 def test_fsdp_on_blocks_only_is_refused(one_rank: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
