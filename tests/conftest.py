@@ -67,18 +67,6 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
             config.option.dist = "loadfile"
 
 
-# The files whose multi-rank worlds take longest (docs/development.md, "The suite's time"),
-# longest first. Collected first, they are handed to the workers first: a long file started
-# last would leave one worker running it alone at the end.
-LONGEST_FIRST = ("test_data_parallel.py", "test_tensor_parallel.py", "test_expert_parallel.py",
-                 "test_pipeline_bench.py", "test_pipelining.py", "test_transformers_models.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "inductor: compiles with the real Inductor (C++ on CPU); slower")
     config.addinivalue_line(
