@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", help="also record this run (losses, collectives per rank and action) in this "
+                                      "JSON file, under a key naming the backend, next to other runs")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # torchrun sets MASTER_ADDR/PORT, RANK, WORLD_SIZE
@@ -218,6 +220,7 @@ def main() -> None:
     x, y = tokens[:, :-1], tokens[:, 1:]
     mine = slice(dp_rank * local, (dp_rank + 1) * local)  # this replica's share; the same on every tp rank
 
+    step_losses: list[float] = []
     for step in range(args.steps):
         losses: list[torch.Tensor] = []
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -230,6 +233,7 @@ def main() -> None:
             mean = torch.stack([v.detach() for v in losses]).mean()
             dist.all_reduce(mean, group=mesh["dp"].get_group())  # average over the replicas
             if dist.get_rank() == 0:
+                step_losses.append(round(mean.item() / args.dp, 6))
                 print(f"step {step}{' (compiles)' if step == 0 else ''}: loss {mean.item() / args.dp:.4f}", flush=True)
 
     counters = collections.Counter()
@@ -247,7 +251,33 @@ def main() -> None:
             print(f"rank {r} stages {ids}: fxsplit counters (all steps) {c}")
             for (op, action), n in sorted(cm.items(), key=lambda kv: (kv[0][1], kv[0][0])):
                 print(f"    last step: {n} x {op} in {action}")
+        if args.out:
+            record(args, gathered, step_losses)
     dist.destroy_process_group()
+
+
+def record(args: argparse.Namespace, gathered: list, losses: list[float]) -> None:
+    """Add this run to the JSON file ``args.out`` (its provenance at the top level: the last run's)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from fxsplit.bench.settings import provenance
+
+    label = "fxsplit" if args.backend == "fxsplit" else f"inductor-whole_nodes-{args.whole_nodes}"
+    command = "torchrun --nproc-per-node {} examples/tp_pp_torchrun.py {}".format(
+        dist.get_world_size(), " ".join(sys.argv[1:]))
+    path = Path(args.out)
+    doc = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+    run = {**provenance(command), "losses": losses, "collectives_last_step": {
+        f"rank {r}": {"stages": ids, "by_action": {f"{action}: {op}": n for (op, action), n in sorted(cm.items())}}
+        for r, (ids, _, cm) in enumerate(gathered)}}
+    doc["runs"][label] = run
+    doc.update({k: run[k] for k in ("command", "code_revision", "torch_version")},
+               device=f"cpu (gloo, {dist.get_world_size()} ranks)",
+               what="collectives per rank and action in the last step of ZB-V over TP stages; losses per step")
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"recorded as {label!r} in {path}")
 
 
 if __name__ == "__main__":
