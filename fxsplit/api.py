@@ -323,23 +323,14 @@ def stage_backward_input(
             saved[k] = tuple(grad_outputs)
 
         handles.append(node.register_prehook(save))
-    # A node that computes all its edges' gradients in one call runs once, here:
-    # what it produces for the weight side is kept for W (stage_plan's ``once``).
-    deferred: list[DeferredGrad] = []
-    for node in plan.once:
-
-        def keep(grads: tuple[torch.Tensor | None, ...], _: Any, node: Any = node) -> None:
-            for (child, nr), g in zip(node.next_functions, grads):
-                if g is not None and child is not None:
-                    deferred.append(DeferredGrad(node, child, nr, g))
-
-        handles.append(node.register_hook(keep))
 
     # The compiled regions this call runs (exactly the split regions in the B
     # set) run their dI graph only, and only while this call runs.
     retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
     call = InputCall(weights, release_saved=retain, keep=plan.rerun, handover=plan.region_starts,
                      region_params=plan.region_params, region_children=plan.region_children)
+    if plan.once:  # (general plans only: a stage of compiled regions has none)
+        _keep_outputs(plan.once, call.deferred, handles)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     try:
         if (grad_inputs or captures) and outs:
@@ -388,7 +379,7 @@ def stage_backward_input(
                 v.grad += g
 
     del captures
-    work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred + deferred, out_edges, grads)
+    work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
     work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
     if retain:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
         anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]
@@ -417,6 +408,20 @@ def stage_backward_input(
         )
     work.timings["b_ns"] = time.perf_counter_ns() - t0
     return tuple(dinputs), work
+
+
+def _keep_outputs(nodes: Sequence[Any], into: list[DeferredGrad], handles: list[Any]) -> None:
+    """Hooks keeping, for W, what each of ``nodes`` produces along its edges when B
+    runs it: nodes that compute every edge's gradient in one call run once
+    (``EagerWeightPlan.once``); ``PendingWeightGrads.from_b`` keeps the W-side ones."""
+    for node in nodes:
+
+        def keep(grads: tuple[torch.Tensor | None, ...], _: Any, node: Any = node) -> None:
+            for (child, nr), g in zip(node.next_functions, grads):
+                if g is not None and child is not None:
+                    into.append(DeferredGrad(node, child, nr, g))
+
+        handles.append(node.register_hook(keep))
 
 
 def _direct_call(
