@@ -283,7 +283,9 @@ def _probe_costs(rank: _Rank, built: dict[str, _Built], comm_ms: float) -> Any:
     ))
 
 
-def _run(plan: RankPlan, rank_id: int) -> dict[str, Any]:
+def rank_main(plan: RankPlan, rank_id: int, ranks: int) -> dict[str, Any]:
+    """What one rank of the world (:func:`fxsplit.bench.world.run_world`) runs: the
+    raw records of every configuration; rank 0 reports progress on the way."""
     from fxsplit.schedules import generate_schedule
 
     say = W.progress
@@ -356,9 +358,3 @@ def _run(plan: RankPlan, rank_id: int) -> dict[str, Any]:
 def threads_per_rank(plan: RankPlan) -> int:
     """Intra-op threads of each rank: the CPU's cores shared out (one on CUDA)."""
     return max(1, (os.cpu_count() or 1) // plan.ranks) if plan.device == "cpu" else 1
-
-
-def rank_main(plan: RankPlan, rank: int, ranks: int) -> dict[str, Any]:
-    """What one rank of the world (:func:`fxsplit.bench.world.run_world`) runs: the
-    raw records of every configuration; rank 0 reports progress on the way."""
-    return _run(plan, rank)
