@@ -1,0 +1,349 @@
+"""torchtitan's models trained through torchtitan's own pipeline builder, on CPU ranks.
+
+One rank of a run does what torchtitan's ``Trainer`` does to build and step a
+pipeline, with torchtitan's code at every step: the config from torchtitan's
+``ConfigManager`` (the same command-line options as ``torchtitan.train``), the
+model built on the meta device, the model spec's ``pipelining_fn`` (torchtitan's
+module split, ``parallelize_fn`` with per-block ``torch.compile``, schedule
+builder), ``to_empty`` + ``init_weights``, the chunked loss wired to the last
+stage's ``lm_head``, torchtitan's optimizer, LR scheduler and pipeline-aware
+gradient clipping, and ``schedule.step`` with the trainer's arguments.
+
+What differs from ``torchtitan.train`` (which needs an accelerator, torchtitan's
+test assets for the tokenizer and a dataset download):
+
+* the device is the CPU and the process group gloo (torchtitan picks ``cuda``
+  when no accelerator is present; :func:`rank_main` points its mesh builder at
+  ``cpu``), parameters in float32 (``--training.mixed_precision_param float32``);
+* each block's inner attention is torch's SDPA (causal), swapped in after the
+  config is built as torchtitan's own graph_trainer tests do
+  (``build_decoder_config_for_backend``): the language models' configured
+  attentions have no backward on a CPU (FlexAttention refuses it, varlen
+  attention is CUDA's flash kernel). ``attention="config"`` keeps the configured one;
+* the batches are made here: random tokens, or bytes of the Python standard
+  library's sources (:func:`stdlib_text`), cut into ``seq_len + 1`` windows;
+* no checkpointing, metrics logger or validator.
+
+With ``check`` each step is also run by a single-process reference in every
+rank: the same model (same weights, torchtitan's loss, optimizer and LR
+schedule), unsplit, uncompiled, one ordinary backward per microbatch; each
+microbatch loss and every gradient of the stages the rank holds are compared,
+and the FLOPs of the rank's backward actions (``I``, ``W``, ``B``) are counted
+against the reference's backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fxsplit.bench import world as W
+
+__all__ = ["TitanRun", "cli_args", "rank_main", "run", "stdlib_text"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TitanRun:
+    """One training run. ``registry``: ``"fxsplit"`` (``--module fxsplit.integrations.torchtitan``:
+    fxsplit's stages) or ``"torchtitan"`` (the model's own registry: torch's stages).
+    ``backend``: the blocks' compile backend, ``None`` for eager blocks. ``ac``:
+    torchtitan's activation checkpointing (``"none"``, or the config's own). ``data``:
+    ``"random"`` or ``"stdlib"``."""
+
+    schedule: str = "ZBVZeroBubble"
+    backend: str | None = "fxsplit"
+    registry: str = "fxsplit"
+    config: str = "llama3_debugmodel"
+    steps: int = 2
+    seq_len: int = 32
+    local_batch: int = 8
+    microbatch: int = 2
+    layers: int | None = None  # keep the config's first ``layers`` transformer blocks
+    attention: str = "sdpa"  # "sdpa": every block's inner attention swapped to SDPA (causal); "config": as configured
+    lr: float | None = None  # None: the config's
+    ac: str = "none"
+    data: str = "random"
+    seed: int = 0
+    check: bool = True
+    extra: tuple[str, ...] = ()  # more torchtitan command-line options
+
+
+def cli_args(r: TitanRun, ranks: int) -> list[str]:
+    """torchtitan's command-line options for ``r`` (what ``torchtitan.train`` would be given)."""
+    module = "fxsplit.integrations.torchtitan" if r.registry == "fxsplit" else r.config.split("_")[0]
+    args = ["--module", module, "--config", r.config,
+            "--parallelism.pipeline_parallel_degree", str(ranks),
+            "--parallelism.pipeline_parallel_schedule", r.schedule,
+            "--parallelism.pipeline_parallel_microbatch_size", str(r.microbatch),
+            "--training.local_batch_size", str(r.local_batch), "--training.seq_len", str(r.seq_len),
+            "--training.steps", str(r.steps), "--training.mixed_precision_param", "float32",
+            "--training.disable_cuda_graphs"]
+    if r.backend is not None:
+        args += ["--compile.enable", "--compile.backend", r.backend]
+    if r.lr is not None:
+        args += ["--optimizer.lr", str(r.lr)]
+    return args + list(r.extra)
+
+
+@functools.cache
+def stdlib_text() -> torch.Tensor:
+    """The bytes of the Python standard library's ``.py`` sources (sorted by path, the
+    ``test`` packages left out), as a 1-D ``int64`` tensor: real text that ships with
+    every Python, the same on every machine with the same Python version."""
+    root = os.path.dirname(os.__file__)
+    chunks = []
+    for base, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(base, name), "rb") as f:
+                    chunks.append(f.read())
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+
+
+def _batches(r: TitanRun, vocab: int) -> Iterator[torch.Tensor]:
+    """``(local_batch, seq_len + 1)`` token windows, the same in every rank."""
+    g = torch.Generator().manual_seed(r.seed + 1)
+    if r.data == "random":
+        while True:
+            yield torch.randint(0, vocab, (r.local_batch, r.seq_len + 1), generator=g)
+    text = stdlib_text()
+    starts = torch.randperm(text.numel() // (r.seq_len + 1), generator=g) * (r.seq_len + 1)
+    for i in range(0, starts.numel() - r.local_batch, r.local_batch):
+        yield torch.stack([text[s:s + r.seq_len + 1] for s in starts[i:i + r.local_batch].tolist()])
+
+
+def _name(fqn: str) -> str:
+    return fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _build(config: Any, parallel_dims: Any) -> dict[str, Any]:
+    """What ``Trainer.__init__`` builds for a pipeline, on CPU."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.tools import utils
+
+    spec = config.model_spec
+    model_config = spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"), utils.set_default_dtype(torch.float32):
+        model = model_config.build()
+    loss_fn = config.loss.build(compile_config=config.compile)
+    schedule, parts, first, last = spec.pipelining_fn(
+        model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
+        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder,
+        device=torch.device("cpu"), model_config=model_config, parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn)
+    for m in parts:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            m.init_weights(buffer_device=None)
+        m.train()
+    if isinstance(loss_fn, ChunkedLossWrapper) and last:
+        loss_fn.set_lm_head(parts[-1].lm_head)
+        parts[-1]._skip_lm_head = True
+    optimizers = config.optimizer.build(model_parts=parts)
+    schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
+    return {"model_config": model_config, "schedule": schedule, "parts": parts, "first": first, "last": last,
+                "optimizers": optimizers, "schedulers": schedulers}
+
+
+def _reference(config: Any, model_config: Any, seed: int) -> dict[str, Any]:
+    """The whole model on one process, eager, with torchtitan's loss, optimizer and schedule."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.config import CompileConfig
+    from torchtitan.tools import utils
+
+    torch.manual_seed(seed)
+    with utils.set_default_dtype(torch.float32):
+        ref = model_config.build()
+    with torch.no_grad():
+        ref.init_weights(buffer_device=None)
+    ref.train()
+    loss_fn = config.loss.build(compile_config=CompileConfig(enable=False))
+    if isinstance(loss_fn, ChunkedLossWrapper):
+        loss_fn.set_lm_head(ref.lm_head)
+        ref._skip_lm_head = True
+    optimizers = config.optimizer.build(model_parts=[ref])
+    schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
+    return {"model": ref, "loss_fn": loss_fn, "optimizers": optimizers, "schedulers": schedulers}
+
+
+def _copy_weights(ref: torch.nn.Module, parts: list[torch.nn.Module]) -> None:
+    """The reference's parameters and buffers into the stage modules, by name."""
+    state = {_name(k): v for k, v in [*ref.named_parameters(), *ref.named_buffers()]}
+    with torch.no_grad():
+        for part in parts:
+            for fqn, t in [*part.named_parameters(), *part.named_buffers()]:
+                local = t.to_local() if hasattr(t, "to_local") else t
+                local.copy_(state[_name(fqn)])
+                assert torch.equal(_local(t), state[_name(fqn)]), fqn
+
+
+def _reference_step(ref: dict[str, Any], mbs: list[tuple[torch.Tensor, torch.Tensor]],
+                    tokens: torch.Tensor) -> tuple[list[float], int]:
+    """One step of the reference: losses per microbatch and the backward's FLOPs (the
+    gradients are left in ``.grad`` for the comparison; :func:`_reference_update` steps)."""
+    model, loss_fn = ref["model"], ref["loss_fn"]
+    ref["optimizers"].zero_grad(set_to_none=True)
+    losses, flops = [], 0
+    for inputs, labels in mbs:
+        loss, _ = loss_fn(model(inputs), labels, tokens)
+        with W.MatmulCounter() as counter:
+            loss.backward()
+        flops += counter.total - counter.attention
+        losses.append(loss.item())
+    return losses, flops
+
+
+def _reference_update(ref: dict[str, Any], max_norm: float) -> None:
+    torch.nn.utils.clip_grad_norm_(ref["model"].parameters(), max_norm, foreach=True)
+    ref["optimizers"].step()
+    ref["schedulers"].step()
+
+
+def _compare(parts: list[torch.nn.Module], ref: torch.nn.Module, rtol: float, atol: float) -> dict[str, float]:
+    """Largest relative gradient error per parameter of ``parts`` (asserts each is within tolerance)."""
+    ref_grads = {_name(k): p.grad for k, p in ref.named_parameters()}
+    errors = {}
+    for part in parts:
+        for fqn, p in part.named_parameters():
+            name, want = _name(fqn), ref_grads[_name(fqn)]
+            assert p.grad is not None, f"{name}: no gradient after the step (reference has one)"
+            got = _local(p.grad)
+            errors[name] = float(((got - want).norm() / want.norm().clamp_min(1e-30)).item())
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    return errors
+
+
+def _step(schedule: Any, built: dict[str, Any], mbs: list[tuple[torch.Tensor, torch.Tensor]],
+          inputs: torch.Tensor, labels: torch.Tensor, losses: list[torch.Tensor] | None, tokens: torch.Tensor) -> None:
+    """``schedule.step`` as the trainer calls it: with the microbatches (``arg_mbs``,
+    ``target_mbs``) where the schedule takes them (torch >= 2.14), else with the whole
+    batch, which the schedule cuts into the same microbatches (torch 2.13)."""
+    loss_kwargs = {"global_valid_tokens": tokens}
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:
+        schedule.step(arg_mbs=[(i,) for i, _ in mbs] if built["first"] else None, kwarg_mbs=[{} for _ in mbs],
+                      target_mbs=[t for _, t in mbs] if built["last"] else None, losses=losses,
+                      loss_kwargs=loss_kwargs, return_outputs=False)
+    else:
+        args = (inputs,) if built["first"] else ()
+        schedule.step(*args, target=labels if built["last"] else None, losses=losses, loss_kwargs=loss_kwargs,
+                      return_outputs=False)
+
+
+def _config(r: TitanRun, ranks: int) -> Any:
+    """torchtitan's config for ``r``, parsed by its ``ConfigManager`` from :func:`cli_args`."""
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args(cli_args(r, ranks))
+    if r.ac == "none":
+        config.activation_checkpoint = None
+    if r.layers is not None:
+        config.model_spec.model.layers = config.model_spec.model.layers[:r.layers]
+    if r.attention == "sdpa":
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        for layer in config.model_spec.model.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def _train(r: TitanRun, rank: int, ranks: int) -> dict[str, Any]:
+    """One run in this rank: per step the loss (last-stage ranks) and, with ``r.check``, the
+    reference's losses and backward FLOPs, the gradient errors (asserted within
+    tolerance) and every backward action of the rank's stages (region runs, FLOPs)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    import fxsplit
+    import fxsplit.integrations.torchtitan as integration
+    from fxsplit.pipelining import PipelineStage
+
+    parallel_dims_module.device_type = "cpu"  # torchtitan's mesh device: "cuda" without an accelerator
+    fallbacks_before = len(fxsplit.fallbacks())
+    config = _config(r, ranks)
+    parallel_dims = ParallelDims.from_config(config.parallelism, ranks)
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+    observed = W.observed_stage_class(PipelineStage)
+    with integration._stage_class(observed):
+        built = _build(config, parallel_dims)
+    parts, schedule = built["parts"], built["schedule"]
+    stages = integration._schedule_stages(schedule)
+    for stage in stages:
+        if isinstance(stage, observed) and r.check:
+            stage.observers = [W.RegionRuns.observer, W.MatmulCounter.observer()]
+    # the weights: a seeded whole model's, the same whatever the split (and the reference)
+    ref = _reference(config, built["model_config"], r.seed)
+    _copy_weights(ref["model"], parts)
+    pp_mesh = parallel_dims.get_optional_mesh("pp")
+    max_norm = config.training.max_norm
+    out: dict[str, Any] = {
+        "rank": rank, "run": dataclasses.asdict(r), "torch": torch.__version__,
+        "stages": [s.stage_index for s in stages], "layers": len(config.model_spec.model.layers),
+        "stage_classes": sorted({c.__module__ + "." + c.__qualname__ for s in stages
+                                 for c in [type(s).__mro__[1] if isinstance(s, observed) else type(s)]}),
+        "blocks": {s.stage_index: len(part.layers) for s, part in zip(stages, parts)},
+        "params": sorted(_name(n) for part in parts for n, _ in part.named_parameters()),
+        "steps": [],
+    }
+    batches = _batches(r, built["model_config"].vocab_size)
+    n_mb = r.local_batch // r.microbatch
+    for step in range(r.steps):
+        x = next(batches)
+        inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        mbs = list(zip(inputs.chunk(n_mb), labels.chunk(n_mb)))
+        tokens = torch.tensor(labels.numel())
+        built["optimizers"].zero_grad(set_to_none=True)
+        for stage in stages:
+            getattr(stage, "actions", []).clear()
+        losses: list[torch.Tensor] | None = [] if built["last"] else None
+        _step(schedule, built, mbs, inputs, labels, losses, tokens)
+        record: dict[str, Any] = {"step": step}
+        if losses is not None:
+            record["losses"] = [float(t.item()) for t in losses]
+            record["loss"] = sum(record["losses"])
+        if r.check:
+            ref_losses, ref_flops = _reference_step(ref, mbs, tokens)
+            errors = _compare(parts, ref["model"], rtol=2e-4, atol=2e-5)
+            actions = [a for s in stages for a in getattr(s, "actions", [])]
+            record.update(ref_losses=ref_losses, ref_backward_flops=ref_flops, grad_errors=errors,
+                          actions=actions, backward_flops=sum(a["flops"] - a["attention_flops"] for a in actions))
+        dist_utils.clip_grad_norm_([p for m in parts for p in m.parameters()], max_norm, foreach=True,
+                                   pp_mesh=pp_mesh, ep_enabled=parallel_dims.ep_enabled)
+        built["optimizers"].step()
+        built["schedulers"].step()
+        if r.check:
+            _reference_update(ref, max_norm)
+        out["steps"].append(record)
+        W.progress(f"{r.schedule} step {step + 1}/{r.steps}" + (f" loss {record['loss']:.4f}" if "loss" in record else ""))
+    out["fallbacks"] = [dataclasses.asdict(f) for f in fxsplit.fallbacks()[fallbacks_before:]]
+    return out
+
+
+def rank_main(runs: tuple[TitanRun, ...], rank: int, ranks: int) -> list[dict[str, Any]]:
+    """Every run of ``runs`` in this rank, one after the other (they share the process group
+    and the compile caches); the results in order."""
+    import fxsplit
+
+    with fxsplit.config.patch(fallback="error"):
+        return [_train(r, rank, ranks) for r in runs]
+
+
+def run(runs: TitanRun | tuple[TitanRun, ...], ranks: int = 2, timeout_s: float = 1800.0,
+        on_progress: Any = None) -> list[list[dict[str, Any]]]:
+    """``runs`` on ``ranks`` gloo CPU ranks (one intra-op thread each), with fxsplit's
+    ``fallback="error"``: per rank, the result of each run."""
+    runs = (runs,) if isinstance(runs, TitanRun) else tuple(runs)
+    return W.run_world(rank_main, runs, ranks, timeout_s=timeout_s, on_progress=on_progress,
+                       preload=["torch", "torch.distributed.pipelining", "torch._inductor.compile_fx", "torchtitan",
+                                "torchtitan.models.llama3", "fxsplit", "fxsplit.pipelining", __name__])
