@@ -124,3 +124,21 @@ def test_config_registry_serves_torchtitans_configs_with_fxsplit_stages() -> Non
 def test_missing_torchtitan_is_named_with_the_extra_to_install() -> None:
     with pytest.raises(ImportError, match=r"pip install 'fxsplit\[torchtitan\]'"):
         integration._torchtitan("torchtitan_that_is_not_installed")
+
+
+def test_refuses_flex_attention_blocks_with_the_way_out() -> None:
+    from torchtitan.config import CompileConfig
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    model_config = model_registry("debugmodel").model  # FlexAttention: torchtitan's default
+    with torch.device("meta"):
+        model = model_config.build()
+    with pytest.raises(ValueError, match="llama3_debugmodel_varlen_attn"):
+        integration._check_attention(model, CompileConfig(enable=True, backend="fxsplit"))
+    integration._check_attention(model, CompileConfig())  # eager blocks: nothing to refuse
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = model_config.build()
+    integration._check_attention(model, CompileConfig(enable=True, backend="fxsplit"))

@@ -347,3 +347,70 @@ def run(runs: TitanRun | tuple[TitanRun, ...], ranks: int = 2, timeout_s: float 
     return W.run_world(rank_main, runs, ranks, timeout_s=timeout_s, on_progress=on_progress,
                        preload=["torch", "torch.distributed.pipelining", "torch._inductor.compile_fx", "torchtitan",
                                 "torchtitan.models.llama3", "fxsplit", "fxsplit.pipelining", __name__])
+
+
+def _summary(results: list[dict[str, Any]]) -> list[str]:
+    """What a run's ranks saw, as lines: per step the loss and the checks."""
+    r0 = results[0]
+    lines = [(f"torchtitan {r0['run']['config']} ({r0['layers']} layers), schedule {r0['run']['schedule']}, "
+              f"compile backend {r0['run']['backend']}, {len(results)} ranks, torch {r0['torch']}")]
+    for r in results:
+        lines.append(f"rank {r['rank']}: stages {r['stages']} ({', '.join(r['stage_classes'])}), "
+                     f"blocks per stage {r['blocks']}, fallbacks {len(r['fallbacks'])}")
+    last = next(r for r in results if "losses" in r["steps"][0])
+    for i, step in enumerate(last["steps"]):
+        line = f"step {i + 1}: loss {step['loss']:.6f}"
+        if "ref_losses" in step:
+            line += f" (single process {sum(step['ref_losses']):.6f})"
+            worst = max(max(r["steps"][i]["grad_errors"].values()) for r in results)
+            flops = sum(r["steps"][i]["backward_flops"] for r in results)
+            acts: dict[str, list[int]] = {}
+            for r in results:
+                for a in r["steps"][i]["actions"]:
+                    runs = acts.setdefault(a["kind"], [0, 0, 0, 0])
+                    for j, k in enumerate(("di_runs", "dw_runs", "fused_runs")):
+                        runs[j] += a[k]
+                    runs[3] += 1
+            line += (f", gradients: largest relative error {worst:.1e}, backward FLOPs {flops / step['ref_backward_flops']:.4f}"
+                     f" x single process; " + ", ".join(f"{n} {k}: dI {v[0]} dW {v[1]} fused {v[2]}"
+                                                      for k, v in sorted(acts.items()) for n in [v[3]]))
+        lines.append(line)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fxsplit.bench.titan``: one checked run, printed."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m fxsplit.bench.titan", description=(
+        "Train torchtitan's model through its own pipeline builder on gloo CPU ranks, as its trainer does, "
+        "and compare every step with a single-process run. Options after -- go to torchtitan's config parser."))
+    p.add_argument("--config", default="llama3_debugmodel")
+    p.add_argument("--schedule", default="ZBVZeroBubble", help="torchtitan's schedule name")
+    p.add_argument("--backend", default="fxsplit", help="compile backend of the blocks; 'none': eager blocks")
+    p.add_argument("--registry", choices=("fxsplit", "torchtitan"), default="fxsplit",
+                   help="fxsplit: --module fxsplit.integrations.torchtitan; torchtitan: the model's own (torch's stages)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--local-batch", type=int, default=8)
+    p.add_argument("--microbatch", type=int, default=2)
+    p.add_argument("--layers", type=int, default=None, help="keep the first LAYERS blocks")
+    p.add_argument("--ac", choices=("none", "config"), default="none",
+                   help="activation checkpointing: none, or the config's")
+    p.add_argument("--data", choices=("random", "stdlib"), default="random")
+    p.add_argument("--no-check", action="store_true", help="no single-process reference")
+    args, extra = p.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    r = TitanRun(config=args.config, schedule=args.schedule, backend=None if args.backend == "none" else args.backend,
+                 registry=args.registry, steps=args.steps, seq_len=args.seq_len, local_batch=args.local_batch,
+                 microbatch=args.microbatch, layers=args.layers, ac=args.ac, data=args.data,
+                 check=not args.no_check, extra=tuple(extra))
+    print("torchtitan options: " + " ".join(cli_args(r, args.ranks)), flush=True)
+    results = [rank[0] for rank in run(r, ranks=args.ranks)]
+    print("\n".join(_summary(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

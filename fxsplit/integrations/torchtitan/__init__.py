@@ -16,15 +16,20 @@ From torchtitan's command line, with the config registry of this package
 available under its own name)::
 
     torchrun --nproc_per_node 2 -m torchtitan.train \\
-        --module fxsplit.integrations.torchtitan --config llama3_debugmodel \\
+        --module fxsplit.integrations.torchtitan --config llama3_debugmodel_varlen_attn \\
         --parallelism.pipeline_parallel_degree 2 \\
         --parallelism.pipeline_parallel_schedule ZBVZeroBubble \\
-        --compile.enable --compile.backend fxsplit
+        --compile.enable --compile.backend fxsplit --training.disable_cuda_graphs
 
 From Python: ``use_fxsplit(config)`` on a ``torchtitan.trainer.Trainer.Config``,
 or pass :func:`pipeline_llm` as a ``ModelSpec``'s ``pipelining_fn``.
 
 What it refuses (``ValueError`` when the pipeline is built, naming the fix):
+
+* blocks with FlexAttention (torchtitan's default for its language models) compiled
+  with ``backend="fxsplit"``: torchtitan's ``apply_compile`` accepts only
+  ``inductor`` and ``aot_eager`` for them. Use a config with another attention
+  (``llama3_debugmodel_varlen_attn``);
 
 * a schedule that splits the backward (``InterleavedZeroBubble``,
   ``ZBVZeroBubble``, ``DualPipeV``, or a CSV schedule, which may) over blocks
@@ -92,6 +97,24 @@ def check_config(parallelism: Any, compile_config: Any) -> None:
         )
 
 
+def _check_attention(model: Any, compile_config: Any) -> None:
+    """FlexAttention blocks cannot be compiled with ``backend="fxsplit"`` by torchtitan 0.3.0:
+    its ``apply_compile`` accepts only ``inductor`` and ``aot_eager`` for a model with
+    FlexAttention and raises otherwise, with a message that points at ``inductor``, which
+    a split schedule cannot use either (:func:`check_config`). Say so first, with the way out."""
+    if not (compile_config.enable and "model" in compile_config.components and compile_config.backend == "fxsplit"):
+        return
+    from torchtitan.models.common.attention import FlexAttention
+
+    if any(isinstance(m, FlexAttention) for m in model.modules()):
+        raise ValueError(
+            _PREFIX + "the model's attention is FlexAttention, and torchtitan's apply_compile compiles a "
+            "FlexAttention model only with backend 'inductor' or 'aot_eager' (whose backward no schedule can "
+            "split). Use a config whose blocks use another attention (e.g. --config llama3_debugmodel_varlen_attn), "
+            "or leave --compile.enable off."
+        )
+
+
 @contextlib.contextmanager
 def _fxsplit_stages(pp_module: Any) -> Iterator[None]:
     """torchtitan's pipeline module, with its ``PipelineStage`` name bound to fxsplit's class
@@ -140,6 +163,7 @@ def _build(torchtitan_fn: Callable[..., Any], model: Any, kwargs: dict[str, Any]
 
     parallelism, compile_config = kwargs["parallelism"], kwargs["compile_config"]
     check_config(parallelism, compile_config)
+    _check_attention(model, compile_config)
     pp_module = _torchtitan()
     with _fxsplit_stages(pp_module):
         result = torchtitan_fn(model, **kwargs)
