@@ -71,14 +71,21 @@ class TitanRun:
     data: str = "random"
     seed: int = 0
     check: bool = True
+    reference: str = "eager"  # the single-process run's blocks: "eager", or compiled by "inductor"
+    pp: int | None = None  # pipeline-parallel degree; None: every rank (the other dimensions via ``extra``)
     extra: tuple[str, ...] = ()  # more torchtitan command-line options
 
 
 def cli_args(r: TitanRun, ranks: int) -> list[str]:
     """torchtitan's command-line options for ``r`` (what ``torchtitan.train`` would be given)."""
-    module = "fxsplit.integrations.torchtitan" if r.registry == "fxsplit" else r.config.split("_")[0]
+    if r.registry == "fxsplit":
+        module = "fxsplit.integrations.torchtitan"
+    else:  # the torchtitan model package whose config_registry has the function
+        from fxsplit.integrations.torchtitan.config_registry import _registries
+
+        module = _registries()[r.config].__module__.rsplit(".", 1)[0]
     args = ["--module", module, "--config", r.config,
-            "--parallelism.pipeline_parallel_degree", str(ranks),
+            "--parallelism.pipeline_parallel_degree", str(r.pp or ranks),
             "--parallelism.pipeline_parallel_schedule", r.schedule,
             "--parallelism.pipeline_parallel_microbatch_size", str(r.microbatch),
             "--training.local_batch_size", str(r.local_batch), "--training.seq_len", str(r.seq_len),
@@ -151,13 +158,16 @@ def _build(config: Any, parallel_dims: Any) -> dict[str, Any]:
         loss_fn.set_lm_head(parts[-1].lm_head)
         parts[-1]._skip_lm_head = True
     optimizers = config.optimizer.build(model_parts=parts)
+    if spec.post_optimizer_build_fn is not None:  # e.g. MoE load balancing's expert-bias update
+        spec.post_optimizer_build_fn(optimizers, parts, parallel_dims)
     schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
     return {"model_config": model_config, "schedule": schedule, "parts": parts, "first": first, "last": last,
-                "optimizers": optimizers, "schedulers": schedulers}
+            "optimizers": optimizers, "schedulers": schedulers}
 
 
-def _reference(config: Any, model_config: Any, seed: int) -> dict[str, Any]:
-    """The whole model on one process, eager, with torchtitan's loss, optimizer and schedule."""
+def _reference(config: Any, model_config: Any, seed: int, parallel_dims: Any, reference: str) -> dict[str, Any]:
+    """The whole model on one process, with torchtitan's loss, optimizer and schedule; its
+    blocks eager, or compiled by the backend ``reference`` names."""
     from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.config import CompileConfig
     from torchtitan.tools import utils
@@ -168,28 +178,39 @@ def _reference(config: Any, model_config: Any, seed: int) -> dict[str, Any]:
     with torch.no_grad():
         ref.init_weights(buffer_device=None)
     ref.train()
+    if reference != "eager":  # each block compiled in place, as torchtitan's apply_compile does
+        torch._dynamo.config.capture_scalar_outputs = True
+        for block in ref.layers.values():
+            block.compile(backend=reference, fullgraph=True)
     loss_fn = config.loss.build(compile_config=CompileConfig(enable=False))
     if isinstance(loss_fn, ChunkedLossWrapper):
         loss_fn.set_lm_head(ref.lm_head)
         ref._skip_lm_head = True
     optimizers = config.optimizer.build(model_parts=[ref])
+    if config.model_spec.post_optimizer_build_fn is not None:
+        config.model_spec.post_optimizer_build_fn(optimizers, [ref], parallel_dims)
     schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
     return {"model": ref, "loss_fn": loss_fn, "optimizers": optimizers, "schedulers": schedulers}
 
 
 def _copy_weights(ref: torch.nn.Module, parts: list[torch.nn.Module]) -> None:
     """The reference's parameters and buffers into the stage modules, by name."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     state = {_name(k): v for k, v in [*ref.named_parameters(), *ref.named_buffers()]}
     with torch.no_grad():
         for part in parts:
             for fqn, t in [*part.named_parameters(), *part.named_buffers()]:
-                local = t.to_local() if hasattr(t, "to_local") else t
-                local.copy_(state[_name(fqn)])
-                assert torch.equal(_local(t), state[_name(fqn)]), fqn
+                want = state[_name(fqn)]
+                if isinstance(t, DTensor):  # sharded (FSDP2, TP): this rank's shard of the whole
+                    t.copy_(distribute_tensor(want, t.device_mesh, t.placements))
+                else:
+                    t.copy_(want)
+                assert torch.equal(_local(t), want), fqn
 
 
 def _reference_step(ref: dict[str, Any], mbs: list[tuple[torch.Tensor, torch.Tensor]],
-                    tokens: torch.Tensor) -> tuple[list[float], int]:
+                    tokens: torch.Tensor, count_flops: bool) -> tuple[list[float], int]:
     """One step of the reference: losses per microbatch and the backward's FLOPs (the
     gradients are left in ``.grad`` for the comparison; :func:`_reference_update` steps)."""
     model, loss_fn = ref["model"], ref["loss_fn"]
@@ -197,9 +218,12 @@ def _reference_step(ref: dict[str, Any], mbs: list[tuple[torch.Tensor, torch.Ten
     losses, flops = [], 0
     for inputs, labels in mbs:
         loss, _ = loss_fn(model(inputs), labels, tokens)
-        with W.MatmulCounter() as counter:
+        if count_flops:
+            with W.MatmulCounter() as counter:
+                loss.backward()
+            flops += counter.total - counter.attention
+        else:
             loss.backward()
-        flops += counter.total - counter.attention
         losses.append(loss.item())
     return losses, flops
 
@@ -279,11 +303,14 @@ def _train(r: TitanRun, rank: int, ranks: int) -> dict[str, Any]:
         built = _build(config, parallel_dims)
     parts, schedule = built["parts"], built["schedule"]
     stages = integration._schedule_stages(schedule)
+    # FLOPs are counted without activation checkpointing only: the counter's dispatch mode
+    # cannot run the run_with_rng_state operator a checkpointed compiled block recomputes with
+    count_flops = r.check and r.ac == "none"
     for stage in stages:
         if isinstance(stage, observed) and r.check:
-            stage.observers = [W.RegionRuns.observer, W.MatmulCounter.observer()]
+            stage.observers = [W.RegionRuns.observer] + ([W.MatmulCounter.observer()] if count_flops else [])
     # the weights: a seeded whole model's, the same whatever the split (and the reference)
-    ref = _reference(config, built["model_config"], r.seed)
+    ref = _reference(config, built["model_config"], r.seed, parallel_dims, r.reference)
     _copy_weights(ref["model"], parts)
     pp_mesh = parallel_dims.get_optional_mesh("pp")
     max_norm = config.training.max_norm
@@ -313,11 +340,13 @@ def _train(r: TitanRun, rank: int, ranks: int) -> dict[str, Any]:
             record["losses"] = [float(t.item()) for t in losses]
             record["loss"] = sum(record["losses"])
         if r.check:
-            ref_losses, ref_flops = _reference_step(ref, mbs, tokens)
+            ref_losses, ref_flops = _reference_step(ref, mbs, tokens, count_flops)
             errors = _compare(parts, ref["model"], rtol=2e-4, atol=2e-5)
             actions = [a for s in stages for a in getattr(s, "actions", [])]
-            record.update(ref_losses=ref_losses, ref_backward_flops=ref_flops, grad_errors=errors,
-                          actions=actions, backward_flops=sum(a["flops"] - a["attention_flops"] for a in actions))
+            record.update(ref_losses=ref_losses, grad_errors=errors, actions=actions)
+            if count_flops:
+                record.update(ref_backward_flops=ref_flops,
+                              backward_flops=sum(a["flops"] - a["attention_flops"] for a in actions))
         dist_utils.clip_grad_norm_([p for m in parts for p in m.parameters()], max_norm, foreach=True,
                                    pp_mesh=pp_mesh, ep_enabled=parallel_dims.ep_enabled)
         built["optimizers"].step()
@@ -361,9 +390,9 @@ def _summary(results: list[dict[str, Any]]) -> list[str]:
     for i, step in enumerate(last["steps"]):
         line = f"step {i + 1}: loss {step['loss']:.6f}"
         if "ref_losses" in step:
-            line += f" (single process {sum(step['ref_losses']):.6f})"
+            line += f" (single process, {r0['run']['reference']} blocks: {sum(step['ref_losses']):.6f})"
             worst = max(max(r["steps"][i]["grad_errors"].values()) for r in results)
-            flops = sum(r["steps"][i]["backward_flops"] for r in results)
+
             acts: dict[str, list[int]] = {}
             for r in results:
                 for a in r["steps"][i]["actions"]:
@@ -371,8 +400,11 @@ def _summary(results: list[dict[str, Any]]) -> list[str]:
                     for j, k in enumerate(("di_runs", "dw_runs", "fused_runs")):
                         runs[j] += a[k]
                     runs[3] += 1
-            line += (f", gradients: largest relative error {worst:.1e}, backward FLOPs {flops / step['ref_backward_flops']:.4f}"
-                     f" x single process; " + ", ".join(f"{n} {k}: dI {v[0]} dW {v[1]} fused {v[2]}"
+            line += f", gradients: largest relative error {worst:.1e}"
+            if "backward_flops" in step:
+                flops = sum(r["steps"][i]["backward_flops"] for r in results)
+                line += f", backward FLOPs {flops / step['ref_backward_flops']:.4f} x single process"
+            line += ("; " + ", ".join(f"{n} {k}: dI {v[0]} dW {v[1]} fused {v[2]}"
                                                       for k, v in sorted(acts.items()) for n in [v[3]]))
         lines.append(line)
     return lines
@@ -392,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fxsplit: --module fxsplit.integrations.torchtitan; torchtitan: the model's own (torch's stages)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (default: --ranks)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--local-batch", type=int, default=8)
     p.add_argument("--microbatch", type=int, default=2)
@@ -400,12 +433,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="activation checkpointing: none, or the config's")
     p.add_argument("--data", choices=("random", "stdlib"), default="random")
     p.add_argument("--no-check", action="store_true", help="no single-process reference")
+    p.add_argument("--reference", default="eager",
+                   help="the single-process run's blocks: eager, or a backend compiling each (inductor)")
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     r = TitanRun(config=args.config, schedule=args.schedule, backend=None if args.backend == "none" else args.backend,
                  registry=args.registry, steps=args.steps, seq_len=args.seq_len, local_batch=args.local_batch,
                  microbatch=args.microbatch, layers=args.layers, ac=args.ac, data=args.data,
-                 check=not args.no_check, extra=tuple(extra))
+                 check=not args.no_check, reference=args.reference, pp=args.pp, extra=tuple(extra))
     print("torchtitan options: " + " ".join(cli_args(r, args.ranks)), flush=True)
     results = [rank[0] for rank in run(r, ranks=args.ranks)]
     print("\n".join(_summary(results)))
