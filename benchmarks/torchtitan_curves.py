@@ -37,7 +37,7 @@ def _revision() -> str:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
         # the code the figures depend on: fxsplit's package, its passes, this script
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fxsplit", "passes", "benchmarks/*.py"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/fxsplit", ":/passes", ":/benchmarks/*.py"],
                                capture_output=True,
                                text=True, cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
