@@ -58,7 +58,8 @@ def plot(result: dict, path: str) -> None:
     top.set_yscale("log")
     top.legend()
     top.set_title(f"torchtitan llama3_debugmodel ({result['layers']} layers), stdlib bytes, 2 gloo CPU ranks\n"
-                  f"torch {result['torch']}, torchtitan {result['torchtitan']}, fxsplit {result['revision']}",
+                  f"torch {result['torch_version']}, torchtitan {result['torchtitan_version']}, "
+                  f"fxsplit {result['code_revision']}",
                   fontsize=9)
     for name, diff in result["relative_difference"].items():
         bottom.plot(range(1, len(diff) + 1), diff, label=name, lw=1.0)
@@ -90,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     import torchtitan
 
     result = {
-        "command": "python benchmarks/torchtitan_curves.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python benchmarks/torchtitan_curves.py", *(argv if argv is not None else sys.argv[1:])]),
         "device": "cpu, 2 gloo ranks, 1 thread each",
-        "torch": torch.__version__, "torchtitan": getattr(torchtitan, "__version__", "?"),
-        "revision": _revision(), "wall_s": round(time.perf_counter() - start, 1),
+        "torch_version": torch.__version__, "torchtitan_version": getattr(torchtitan, "__version__", "?"),
+        "code_revision": _revision(), "wall_s": round(time.perf_counter() - start, 1),
         "runs": {name: dict(spec) for name, spec in RUNS.items()},
         "config": runs[0].config, "layers": by_rank[0][0]["layers"], "seq_len": args.seq_len,
         "local_batch": runs[0].local_batch, "microbatch": runs[0].microbatch, "steps": args.steps,
