@@ -10,25 +10,39 @@ import torch
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed (pip install 'fxsplit[torchtitan]')")
 
+import os
+import sys
+
 import fxsplit.integrations.torchtitan as integration
 from fxsplit.bench import titan
+
+sys.path.insert(0, os.path.dirname(__file__))
+from multirank import upstream_schedule_failure
 
 pytestmark = pytest.mark.inductor
 
 SCHEDULES = ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble")
+# why torch's own schedule cannot run here with gloo (torch 2.11's V schedules), by torchtitan's name
+UNRUNNABLE = {s: why for s in SCHEDULES if (why := upstream_schedule_failure("Schedule" + s)) is not None}
 
 
 @pytest.fixture(scope="module")
 def trained() -> dict[str, list[dict]]:
     """Three optimizer steps under each zero-bubble schedule, 2 gloo ranks, one world."""
-    runs = tuple(titan.TitanRun(schedule=s, steps=3) for s in SCHEDULES)
-    by_rank = titan.run(runs, ranks=2)
-    return {s: [rank_results[i] for rank_results in by_rank] for i, s in enumerate(SCHEDULES)}
+    schedules = [s for s in SCHEDULES if s not in UNRUNNABLE]
+    by_rank = titan.run(tuple(titan.TitanRun(schedule=s, steps=3) for s in schedules), ranks=2)
+    return {s: [rank_results[i] for rank_results in by_rank] for i, s in enumerate(schedules)}
+
+
+def _ranks(trained: dict, schedule: str) -> list[dict]:
+    if schedule in UNRUNNABLE:
+        pytest.skip(UNRUNNABLE[schedule])
+    return trained[schedule]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_losses_and_gradients_equal_the_single_process_run(trained: dict, schedule: str) -> None:
-    ranks = trained[schedule]
+    ranks = _ranks(trained, schedule)
     assert sorted(s for r in ranks for s in r["stages"]) == [0, 1, 2, 3]
     for r in ranks:
         assert r["stage_classes"] == ["fxsplit.pipelining.PipelineStage"], r["stage_classes"]
@@ -46,7 +60,11 @@ def test_losses_and_gradients_equal_the_single_process_run(trained: dict, schedu
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_block_is_a_split_region_and_no_flop_is_duplicated(trained: dict, schedule: str) -> None:
-    ranks = trained[schedule]
+    """Per step, the backward FLOPs of every action of every stage add up to the single-process
+    backward's, and each action ran only its own graphs of each block: so no stage did any
+    work twice (a stage repeating work would raise the total, and none can do less and still
+    give the exact gradients the other test checks)."""
+    ranks = _ranks(trained, schedule)
     for step in range(len(ranks[0]["steps"])):
         # the backward FLOPs of all actions of all stages (I + W, and B where the schedule
         # issues a full backward) equal one ordinary backward of the whole model per microbatch
