@@ -98,7 +98,7 @@ def test_refuses_a_zero_bubble_schedule_over_blocks_compiled_by_another_backend(
                              CompileConfig(enable=True, backend="inductor"))
 
 
-def test_refuses_graph_pp_and_unknown_pipelining_functions() -> None:
+def test_maps_torchtitans_pipelining_functions_and_refuses_graph_pp_and_others() -> None:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     config = llama3_debugmodel()
@@ -110,6 +110,13 @@ def test_refuses_graph_pp_and_unknown_pipelining_functions() -> None:
     config.model_spec.pipelining_fn = graph_pipeline_llm
     with pytest.raises(ValueError, match="GraphPP"):
         integration.use_fxsplit(config)
+
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm, pipeline_vlm
+
+    for theirs, ours in ((pipeline_llm, integration.pipeline_llm), (pipeline_vlm, integration.pipeline_vlm)):
+        config.model_spec.pipelining_fn = theirs
+        assert integration.use_fxsplit(config).model_spec.pipelining_fn is ours
+        assert integration.use_fxsplit(config).model_spec.pipelining_fn is ours  # idempotent
 
     def my_pipeline(*args, **kwargs):
         raise AssertionError("never called")
