@@ -13,7 +13,7 @@ What differs from ``torchtitan.train`` (which needs an accelerator, torchtitan's
 test assets for the tokenizer and a dataset download):
 
 * the device is the CPU and the process group gloo (torchtitan picks ``cuda``
-  when no accelerator is present; :func:`rank_main` points its mesh builder at
+  when no accelerator is present; each rank points its mesh builder at
   ``cpu``), parameters in float32 (``--training.mixed_precision_param float32``);
 * each block's inner attention is torch's SDPA (causal), swapped in after the
   config is built as torchtitan's own graph_trainer tests do
@@ -26,7 +26,8 @@ test assets for the tokenizer and a dataset download):
 
 With ``check`` each step is also run by a single-process reference in every
 rank: the same model (same weights, torchtitan's loss, optimizer and LR
-schedule), unsplit, uncompiled, one ordinary backward per microbatch; each
+schedule), unsplit, its blocks eager (or compiled by ``reference``), one
+ordinary backward per microbatch; each
 microbatch loss and every gradient of the stages the rank holds are compared,
 and the FLOPs of the rank's backward actions (``I``, ``W``, ``B``) are counted
 against the reference's backward.

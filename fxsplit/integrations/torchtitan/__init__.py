@@ -109,9 +109,9 @@ def _check_attention(model: Any, compile_config: Any) -> None:
     if any(isinstance(m, FlexAttention) for m in model.modules()):
         raise ValueError(
             _PREFIX + "the model's attention is FlexAttention, and torchtitan's apply_compile compiles a "
-            "FlexAttention model only with backend 'inductor' or 'aot_eager' (whose backward no schedule can "
-            "split). Use a config whose blocks use another attention (e.g. --config llama3_debugmodel_varlen_attn), "
-            "or leave --compile.enable off."
+            "FlexAttention model only with backend 'inductor' or 'aot_eager', whose compiled backward cannot be "
+            "split into dI and dW graphs. Use a config whose blocks use another attention (e.g. --config "
+            "llama3_debugmodel_varlen_attn), or leave --compile.enable off."
         )
 
 
