@@ -6,7 +6,8 @@ steps for everything else. A stage shape that falls off a fast path costs
 many more lines of Python around the graphs, which on a host-bound stage is
 time. This counts, per shape, the lines of Python one B and one W run outside
 the compiled graphs' own code (as ``host_overhead --lines`` does for the
-tiny bench stage), after two warm-up microbatches, on a small
+tiny bench stage), and beside them one ordinary backward through the same
+region (``torch.autograd.backward``), after two warm-up microbatches, on a small
 LayerNorm-Linear-GELU-Linear block with a residual:
 
     python -m benchmarks.stage_shapes                      # every shape, Inductor
@@ -87,7 +88,7 @@ def count(shape: str, compiler: str) -> dict[str, Any]:
     params = list(model.parameters())
     before = fxsplit.compiled_regions()
 
-    def step(measure: bool) -> tuple[int, int] | None:
+    def step(measure: bool | str) -> tuple[int, int] | None:
         if shape != "accumulating":
             for p in params:
                 p.grad = None
@@ -96,6 +97,9 @@ def count(shape: str, compiler: str) -> dict[str, Any]:
         out = fn(*args)
         outs = list(out) if isinstance(out, tuple) else [out]
         grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
+        if measure == "ordinary":
+            (lines, _), _ = _lines_run(lambda: torch.autograd.backward(outs, grads))
+            return lines, 0
         b: Callable[[], Any] = lambda: fxsplit.stage_backward_input(outs, grads, list(args), params)  # noqa: E731
         if not measure:
             _, work = b()
@@ -108,10 +112,13 @@ def count(shape: str, compiler: str) -> dict[str, Any]:
     with fxsplit.config.patch(direct_b=True):
         for _ in range(2):
             step(False)
+            step("ordinary")
         measured = step(True)
-    assert measured is not None
+        ordinary = step("ordinary")
+    assert measured is not None and ordinary is not None
     regions = [r for r in fxsplit.compiled_regions() if all(r is not b for b in before)]
-    return {"b_lines": measured[0], "w_lines": measured[1], "regions": len(regions),
+    return {"b_lines": measured[0], "w_lines": measured[1], "ordinary_lines": ordinary[0],
+            "b_plus_w_over_ordinary": round((measured[0] + measured[1]) / ordinary[0], 3), "regions": len(regions),
             "direct_b_runs": sum(r.direct_b_runs for r in regions)}
 
 
@@ -133,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     result: dict[str, dict[str, Any]] = {}
     for shape in shapes:
         r = result[shape] = count(shape, args.compiler)
-        print(f"  {shape:13s} B {r['b_lines']:5d}  W {r['w_lines']:5d}  regions {r['regions']}  "
+        print(f"  {shape:13s} B {r['b_lines']:5d}  W {r['w_lines']:5d}  ordinary {r['ordinary_lines']:5d}  "
+              f"(B + W) / ordinary {r['b_plus_w_over_ordinary']:5.2f}  regions {r['regions']}  "
               f"direct calls {r['direct_b_runs']}", flush=True)
     if args.out is not None:
         command = " ".join(["python -m benchmarks.stage_shapes", *(sys.argv[1:] if argv is None else argv)])
