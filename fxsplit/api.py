@@ -26,7 +26,7 @@ from torch.autograd.graph import GradientEdge
 
 from fxsplit import _torch_internals as ti
 from fxsplit import config
-from fxsplit.stage_plan import EagerWeightPlan, compiled_only_plan, gradient_edge, plan_eager_weight_work
+from fxsplit.stage_plan import EagerWeightPlan, gradient_edge, plan_stage
 from fxsplit.pending import PendingWeightGrads
 from fxsplit.runtime import DeferredGrad, InputCall, registered, run_directly
 
@@ -288,29 +288,20 @@ def stage_backward_input(
     grads = _check_grads(outs, grads_raw)
 
     grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
-    # A stage of compiled regions only (the common case) is planned from the
-    # outputs' nodes in one walk; anything else by the general plan, from edges
-    # that keep their graph alive (W may start autograd there).
     out_edges = [_light_edge(o) for o in outs]
-    plan = None
-    if outs:
-        plan = compiled_only_plan(
-            out_edges, [v.grad_fn for _, v in grad_inputs if v.grad_fn is not None], weights,
-            [v for _, v in grad_inputs if v.grad_fn is None],
-        )
-    if plan is None:
-        input_nodes = [gradient_edge(v).node for _, v in grad_inputs] if outs else []
+    plan = plan_stage(outs, out_edges, [v for _, v in grad_inputs], weights)
+    if plan.groups:  # W starts autograd at some outputs: edges that keep their graph alive
         out_edges = [gradient_edge(o) for o in outs]
-        plan = plan_eager_weight_work(out_edges, input_nodes, weights)
     # A first stage (no input needs a gradient): B captures the gradients
     # flowing into its bottom regions, then runs their dI graphs itself.
     captures = plan.captures
     if grad_inputs or captures:
         _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
-        # The dI/dW graphs of the regions this B splits compile on first use,
-        # here: a compile error raises before anything has run.
-        for node in plan.split_regions:
-            ti.compiled_backward_of(node).prepare_split()
+        if not plan.prepared:
+            # The dI/dW graphs of the regions this B splits compile on first use,
+            # here: a compile error raises before anything has run.
+            for node in plan.split_regions:
+                ti.compiled_backward_of(node).prepare_split()
 
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
@@ -442,21 +433,12 @@ def _direct_call(
     if device.type == "cpu" and flag is not True:
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
-    entries = plan.input_edges.get(node)  # (compiled-only plans have them)
-    if entries is None or len(node.needs_input_grad) != len(plan.region_children[node]):
-        return None  # (or a forward argument that is no tensor, a symbolic size: results and edges differ)
-    by_output = _gradients_by_output(node, outs, grads)
-    if by_output is None:
+    edges = plan.direct_edges
+    if edges is None:
         return None
-    edges = []
-    for x in targets:
-        if x._backward_hooks or x.retains_grad:
-            return None
-        fn = x.grad_fn
-        k = entries.get(id(x) if fn is None else (id(fn), x.output_nr), -1)
-        if k < 0:
-            return None
-        edges.append(k)
+    by_output = _gradients_by_output(node, outs, grads)
+    if by_output is None or any(x._backward_hooks or x.retains_grad for x in targets):
+        return None
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None
     return node, by_output, edges

@@ -57,6 +57,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -67,7 +68,15 @@ from fxsplit import _torch_internals as ti
 from fxsplit.runtime import CompiledSplitBackward, items_getter
 
 __all__ = [
-    "EagerWeightPlan", "WeightGroup", "compiled_only_plan", "gradient_edge", "plan_eager_weight_work", "runs_whole",
+    "MAX_PLANS_PER_REGION",
+    "EagerWeightPlan",
+    "StageShape",
+    "WeightGroup",
+    "compiled_only_plan",
+    "gradient_edge",
+    "plan_eager_weight_work",
+    "plan_stage",
+    "runs_whole",
 ]
 
 
@@ -228,10 +237,14 @@ class EagerWeightPlan:
     # The given weights are distinct tensors, each requiring grad (as the plan
     # found them; False: not known). Lets W skip checking distinctness again.
     weights_distinct: bool = False
-    # Compiled-only plans: where each stage input enters a split region, by
-    # region node: {id(input leaf) or (id(its gradient node), output_nr): index
-    # into the region's next_functions}, -1 where it enters by several edges.
-    input_edges: dict[Node, dict[Any, int]] = dataclasses.field(default_factory=dict)
+    # Compiled-only plans of one region: the position among the region's
+    # next_functions where each stage input (in the order given) enters it,
+    # each by one edge of its own (None: not so, or another kind of plan).
+    # B may then call the region's node itself (``fxsplit.api``).
+    direct_edges: tuple[int, ...] | None = None
+    # The split regions' dI and dW graphs are compiled (a replayed plan's were
+    # when it was first built); otherwise B compiles them before its call.
+    prepared: bool = False
 
     @classmethod
     def compiled_only(
@@ -241,7 +254,6 @@ class EagerWeightPlan:
         region_params: dict[Node, list[torch.Tensor | None]],
         region_children: dict[Node, list[Node | None]],
         weights_distinct: bool,
-        input_edges: dict[Node, dict[Any, int]],
         unreached: int = 0,
     ) -> EagerWeightPlan:
         """The plan of a stage of split regions only (:func:`compiled_only_plan`):
@@ -255,7 +267,6 @@ class EagerWeightPlan:
         plan.region_params = region_params
         plan.region_children = region_children
         plan.weights_distinct = weights_distinct
-        plan.input_edges = input_edges
         if unreached:
             plan.unreached = unreached
         return plan
@@ -274,6 +285,7 @@ _COMPILED_ONLY_FIELDS: dict[str, Any] = {
     "intermediates": [], "w_roots": [], "groups": [], "unreached": 0, "region_starts": [], "once": [],
     "w_side": frozenset(),
     "rerun": frozenset(), "release": [], "above": [], "bottom_regions": [], "captures": [],
+    "direct_edges": None, "prepared": False,
 }
 
 
@@ -416,9 +428,8 @@ def _bottom_regions(
 
 def compiled_only_plan(
     output_edges: Sequence[GradientEdge],
-    input_nodes: Sequence[Node],
+    inputs: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor],
-    input_leaves: Sequence[torch.Tensor] = (),
 ) -> EagerWeightPlan | None:
     """The plan of a stage whose backward is fxsplit-compiled regions only (the
     common case: a stage compiled whole, or in pieces across graph breaks), or
@@ -428,9 +439,9 @@ def compiled_only_plan(
     the outputs is a split region, the gradient node of a stage input, or the
     grad accumulator of a given ``nn.Parameter`` (whose gradient a region's dW
     graph computes), and every region leads to a stage input.
-    ``input_leaves``: stage inputs that are leaves, known by their grad
-    accumulator's variable (finding the accumulator itself costs a view op).
-    With neither (a first stage), only a stage of one region whose outputs
+    ``inputs``: the stage inputs that need a gradient; those that are leaves
+    are known by their grad accumulator's variable (finding the accumulator
+    itself costs a view op). With none (a first stage), only a stage of one region whose outputs
     are the stage's is planned here: that region is the bottom region, and
     the gradients flowing into it are the output gradients themselves.
     One walk over those nodes decides it, instead of the per-weight walks of
@@ -441,9 +452,10 @@ def compiled_only_plan(
     # A first stage (no input needs a gradient): planned here where it is one
     # region whose outputs are the stage's; its B runs that region's dI graph
     # on the output gradients (the bottom region, captured at the outputs).
-    first = not input_nodes and not input_leaves
-    inputs = set(input_nodes)
-    leaves = set(map(id, input_leaves))
+    xs = inputs
+    first = not xs
+    leaves = {id(x) for x in xs if x.grad_fn is None}
+    inputs = {x.grad_fn for x in xs if x.grad_fn is not None}
     # Every weight's id: the given weights that require grad where the walk
     # finds them all (the common case, decided without reading requires_grad).
     given = set(map(id, weights))
@@ -520,7 +532,7 @@ def compiled_only_plan(
         if any(e.node is not node for e in output_edges):
             return None
         plan = EagerWeightPlan.compiled_only(
-            [node], len(output_edges), region_params, region_children, distinct, input_edges, unreached
+            [node], len(output_edges), region_params, region_children, distinct, unreached
         )
         plan.bottom_regions = [node]
         plan.captures = list(output_edges)
@@ -541,9 +553,25 @@ def compiled_only_plan(
                     grew = True
         if len(reaches) != len(regions):
             return None
-    return EagerWeightPlan.compiled_only(
-        list(regions), len(output_edges), region_params, region_children, distinct, input_edges, unreached
+    plan = EagerWeightPlan.compiled_only(
+        list(regions), len(output_edges), region_params, region_children, distinct, unreached
     )
+    if len(regions) == 1:
+        (node,) = regions
+        plan.direct_edges = _direct_edges(node, input_edges[node], xs)
+    return plan
+
+
+def _direct_edges(node: Node, entries: dict[Any, int], xs: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """The position among ``node``'s next_functions where each of ``xs``
+    enters it, each by one edge of its own (``entries``: by input key, -1
+    where it enters by several), or ``None``: some input does not, or a
+    forward argument of the region is no tensor (a symbolic size: the node's
+    results are then not its edges')."""
+    if len(node.needs_input_grad) != len(node.next_functions):
+        return None
+    edges = [entries.get(id(x) if x.grad_fn is None else (id(x.grad_fn), x.output_nr), -1) for x in xs]
+    return None if -1 in edges else tuple(edges)
 
 
 _first = operator.itemgetter(0)
@@ -591,9 +619,6 @@ def plan_eager_weight_work(
     of them are not used by the stage outputs while parameters the outputs
     do use were not given.
     """
-    fast = compiled_only_plan(output_edges, input_nodes, weights)
-    if fast is not None:
-        return fast
     roots = [e.node for e in output_edges]
     parents = _reverse_edges(roots)
     # Each node is asked once whether it is a split region (B and the per-weight walks ask often).
@@ -670,3 +695,225 @@ def plan_eager_weight_work(
         captures=captures,
         output_users=output_users,
     )
+
+
+# -- decide once, guard, replay ------------------------------------------------------
+# A stage's B is planned on its first microbatch; later microbatches replay that
+# plan behind a guard. The plans are kept on the autograd node class of the
+# stage's first output (one class per compiled region, and per compiled variant
+# of it), at most this many per class: one per stage usually; a block compiled
+# once and run by several stages (the same code, other weights) has one per stage.
+MAX_PLANS_PER_REGION = 8
+_PLANS_ATTR = "_fxsplit_b_plans"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RegionShape:
+    """One split region of a :class:`StageShape`: how to find its node in a new
+    microbatch's graph and what must surround it there.
+
+    ``parent``/``at``: the node is the ``at``-th stage output's node
+    (``parent`` -1) or the ``at``-th child of region ``parent`` (an earlier one).
+    ``kinds``: the type of each of its ``next_functions``' nodes. ``nodes_at``
+    and ``accumulators_at`` pick, from those children, the ones that must be
+    given nodes (regions, stage inputs' gradient nodes) and the grad
+    accumulators (whose variables must be given tensors); ``expected`` picks
+    what they must be from the call's pool ``[*weights, *inputs, *regions]``
+    (an input is its gradient node, or itself where it is a leaf).
+    ``params``: from ``[*weights, None]``, the plan's ``region_params`` row.
+    """
+
+    cls: type
+    parent: int
+    at: int
+    kinds: tuple[type, ...]
+    nodes_at: Callable[[Sequence[Any]], list[Any]]
+    accumulators_at: Callable[[Sequence[Any]], list[Any]]
+    expected: Callable[[Sequence[Any]], list[Any]]
+    params: Callable[[Sequence[Any]], list[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShape:
+    """What a stage of split regions only looked like when B planned it, and the
+    plan's stage-independent results: :meth:`replay` gives the plan of a new
+    microbatch that looks the same, without :func:`compiled_only_plan`'s walk.
+
+    The guard (:meth:`replay` returns ``None`` unless all hold): the same
+    weights, the same objects in the same order, each with the same
+    ``requires_grad``; as many stage outputs and inputs needing a gradient;
+    every region's node found where it was, of the same class (a recompiled
+    region, a new compiled variant, is another class); each region's children
+    of the same types (a weight frozen or unfrozen turns an accumulator into
+    ``None`` or back), its accumulators holding the same weights (a swapped
+    weight is another object) or this call's leaf inputs, its other children
+    the same regions or this call's inputs' gradient nodes (at the same
+    output number where B may call the region's node itself); every output's
+    node the region it was. That is everything :func:`compiled_only_plan`
+    reads, so the walk would return the same plan; what B and W decide per
+    call (hooks, ``.grad``, layouts, anomaly mode, streams) is not in a plan.
+    Holds the weights weakly (a plan does not keep a model alive).
+    """
+
+    weights: tuple[Any, ...]  # weak references
+    requires: tuple[bool, ...]
+    inputs: int
+    outputs: int
+    regions: tuple[_RegionShape, ...]
+    output_regions: Callable[[Sequence[Any]], list[Any]]
+    distinct: bool
+    unreached: int
+    first: bool
+    direct_edges: tuple[int, ...] | None
+    # (position among the one region's children, input index, output number)
+    # for the non-leaf inputs of a plan with direct_edges
+    input_numbers: tuple[tuple[int, int, int], ...]
+
+    def replay(
+        self, out_edges: Sequence[GradientEdge], out_nodes: list[Any], xs: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor],
+    ) -> EagerWeightPlan | None:
+        if (
+            len(weights) != len(self.weights) or len(xs) != self.inputs or len(out_nodes) != self.outputs
+            or not all(map(operator.is_, map(operator.call, self.weights), weights))
+            or tuple(map(_requires_grad, weights)) != self.requires
+        ):
+            return None
+        nodes: list[Any] = []
+        children: list[list[Any]] = []
+        for r in self.regions:
+            node = out_nodes[r.at] if r.parent < 0 else children[r.parent][r.at]
+            if type(node) is not r.cls:
+                return None
+            kids = list(map(_first, node.next_functions))
+            if tuple(map(type, kids)) != r.kinds:
+                return None
+            nodes.append(node)
+            children.append(kids)
+        pool = [*weights, *[x if x.grad_fn is None else x.grad_fn for x in xs], *nodes]
+        for r, kids in zip(self.regions, children):
+            found = r.nodes_at(kids) + list(map(_variable, r.accumulators_at(kids)))
+            if not all(map(operator.is_, found, r.expected(pool))):
+                return None
+        if not all(map(operator.is_, out_nodes, self.output_regions(nodes))):
+            return None
+        if self.input_numbers:
+            edges = nodes[0].next_functions
+            if any(edges[k][1] != nr or xs[i].output_nr != nr for k, i, nr in self.input_numbers):
+                return None
+        row = [*weights, None]
+        plan = EagerWeightPlan.compiled_only(
+            nodes, self.outputs, {n: r.params(row) for n, r in zip(nodes, self.regions)}, dict(zip(nodes, children)),
+            self.distinct, self.unreached,
+        )
+        plan.direct_edges = self.direct_edges
+        plan.prepared = True
+        if self.first:
+            plan.bottom_regions = nodes
+            plan.captures = list(out_edges)
+        return plan
+
+
+def _stage_shape(
+    plan: EagerWeightPlan, out_nodes: Sequence[Any], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+) -> StageShape | None:
+    """The :class:`StageShape` of a plan :func:`compiled_only_plan` made for
+    this call, or ``None`` where it cannot say (a weight that cannot be
+    referenced weakly)."""
+    nodes = plan.split_regions
+    index = {n: i for i, n in enumerate(nodes)}
+    n_w, n_x = len(weights), len(xs)
+    weight_at: dict[int, int] = {}
+    for j, w in enumerate(weights):
+        weight_at.setdefault(id(w), j)
+    leaf_at = {id(x): i for i, x in enumerate(xs) if x.grad_fn is None}
+    input_node_at = {x.grad_fn: i for i, x in enumerate(xs) if x.grad_fn is not None}
+    accumulate_grad = ti.accumulate_grad_type()
+    try:
+        shapes = [_region_shape(plan, i, out_nodes, n_w, n_x, index, weight_at, leaf_at, input_node_at, accumulate_grad)
+                  for i in range(len(nodes))]
+        refs = tuple(map(weakref.ref, weights))
+    except (KeyError, ValueError, TypeError, StopIteration):  # (not a plan compiled_only_plan made; a weight with no weak reference)
+        return None
+    numbers = ()
+    if plan.direct_edges is not None:
+        numbers = tuple((k, i, x.output_nr) for i, (k, x) in enumerate(zip(plan.direct_edges, xs)) if x.grad_fn is not None)
+    return StageShape(
+        refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shapes),
+        items_getter([index[n] for n in out_nodes]), plan.weights_distinct, plan.unreached, bool(plan.captures),
+        plan.direct_edges, numbers,
+    )
+
+
+def _region_shape(
+    plan: EagerWeightPlan, i: int, out_nodes: Sequence[Any], n_w: int, n_x: int, index: dict[Any, int],
+    weight_at: dict[int, int], leaf_at: dict[int, int], input_node_at: dict[Any, int], accumulate_grad: type,
+) -> _RegionShape:
+    """Region ``i`` of the plan as :class:`StageShape` keeps it (KeyError: the
+    plan has a child it could not have made)."""
+    nodes = plan.split_regions
+    node = nodes[i]
+    if node in out_nodes:
+        parent, at = -1, list(out_nodes).index(node)
+    else:
+        parent, at = next((r, plan.region_children[nodes[r]].index(node)) for r in range(i)
+                          if node in plan.region_children[nodes[r]])
+    kids = plan.region_children[node]
+    node_pos, node_exp, acc_pos, acc_exp = [], [], [], []
+    for k, c in enumerate(kids):
+        if c is None:
+            continue
+        if type(c) is accumulate_grad:
+            v = c.variable
+            acc_pos.append(k)
+            acc_exp.append(n_w + leaf_at[id(v)] if id(v) in leaf_at else weight_at[id(v)])
+        else:
+            node_pos.append(k)
+            node_exp.append(n_w + n_x + index[c] if c in index else n_w + input_node_at[c])
+    params = [n_w if p is None else weight_at[id(p)] for p in plan.region_params[node]]
+    return _RegionShape(type(node), parent, at, tuple(map(type, kids)), items_getter(node_pos),
+                        items_getter(acc_pos), items_getter(node_exp + acc_exp), items_getter(params))
+
+
+def plan_stage(
+    outs: Sequence[torch.Tensor | GradientEdge],
+    out_edges: Sequence[GradientEdge],
+    xs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+) -> EagerWeightPlan:
+    """B's plan for a stage with outputs ``outs`` (whose gradients flow into
+    ``out_edges``), inputs needing a gradient ``xs`` and ``weights``.
+
+    A stage of split regions only is planned once (:func:`compiled_only_plan`)
+    and replayed on later microbatches while its :class:`StageShape` guard
+    holds; a miss plans again (and keeps the new shape beside the old, up to
+    :data:`MAX_PLANS_PER_REGION`), never answers wrongly. Any other stage is
+    planned on every call (:func:`plan_eager_weight_work`), as its plan holds
+    this microbatch's eager nodes. Every split region's graphs are compiled
+    when the returned plan is ``prepared``; otherwise B compiles them.
+    """
+    out_nodes = [e.node for e in out_edges]
+    head = out_nodes[0] if out_nodes else None
+    shapes = None
+    if head is not None and is_split_region(head):
+        shapes = type(head).__dict__.get(_PLANS_ATTR)
+        if shapes is None:
+            shapes = []
+            setattr(type(head), _PLANS_ATTR, shapes)
+        for shape in shapes:
+            plan = shape.replay(out_edges, out_nodes, xs, weights)
+            if plan is not None:
+                return plan
+    plan = compiled_only_plan(out_edges, xs, weights) if shapes is not None else None
+    if plan is None:
+        edges = [gradient_edge(o) for o in outs]
+        return plan_eager_weight_work(edges, [gradient_edge(x).node for x in xs] if outs else [], weights)
+    for node in plan.split_regions:
+        ti.compiled_backward_of(node).prepare_split()  # a compile error raises before anything has run
+    plan.prepared = True
+    shape = _stage_shape(plan, out_nodes, xs, weights)
+    if shape is not None:
+        if len(shapes) >= MAX_PLANS_PER_REGION:
+            del shapes[0]
+        shapes.append(shape)
+    return plan

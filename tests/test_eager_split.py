@@ -448,8 +448,7 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         out = compiled(x)
         node = out.grad_fn
         edges = [GradientEdge(node, 0)]
-        inputs, leaves = ([], [x]) if leaf else ([x.grad_fn], [])
-        plan = compiled_only_plan(edges, inputs, params, leaves)
+        plan = compiled_only_plan(edges, [x], params)
         assert plan is not None and plan.split_regions == [node]
         children = [c for c, _ in node.next_functions]
         expected = [getattr(c, "variable", None) for c in children]
@@ -458,17 +457,17 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         got = plan.region_params[node]
         assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected)), (leaf, got)
         assert sum(v is not None for v in got) == len(params)
-        assert compiled_only_plan(edges, inputs, params[1:], leaves) is None
+        assert compiled_only_plan(edges, [x], params[1:]) is None
         assert plan.weights_distinct and not plan.groups and not plan.intermediates and not plan.captures
         # A given weight that needs no gradient is left out, and the weights are not known distinct.
         frozen = nn.Parameter(torch.randn(2), requires_grad=False)
-        with_frozen = compiled_only_plan(edges, inputs, [*params, frozen], leaves)
+        with_frozen = compiled_only_plan(edges, [x], [*params, frozen])
         assert with_frozen is not None and not with_frozen.weights_distinct
         assert all(a is b for a, b in zip(with_frozen.region_params[node], got))
         # A region that leads to no stage input: its whole backward is W work (the general plan).
         other = torch.randn(3, 6, requires_grad=True)
         out_alone = compiled(torch.randn(3, 6))  # kept: its node's children are the weights' accumulators only
-        assert compiled_only_plan([GradientEdge(out_alone.grad_fn, 0)], [], params, [other]) is None
+        assert compiled_only_plan([GradientEdge(out_alone.grad_fn, 0)], [other], params) is None
         _, work = fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], params)
         fxsplit.stage_backward_weight(params, work)
 
@@ -535,7 +534,7 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(
     x = torch.randn(3, 6, requires_grad=True)
     before = fxsplit.compiled_regions()
     out = fn(x)
-    plan = compiled_only_plan([GradientEdge(out.grad_fn, 0)], [], params, [x])
+    plan = compiled_only_plan([GradientEdge(out.grad_fn, 0)], [x], params)
     assert plan is not None and plan.unreached == 1 and not plan.weights_distinct
     fired: list[str] = []
     for m in (model, ordinary, eager):

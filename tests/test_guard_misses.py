@@ -184,3 +184,89 @@ def test_a_change_between_microbatches_on_a_first_stage(case: str) -> None:
 @pytest.mark.parametrize("case", ["weight_relaid", "grad_set", "hook_added", "new_shape"])
 def test_a_change_between_microbatches_with_inductor(case: str) -> None:
     _run(case, "inductor", first_stage=False)
+
+
+class TwoRegions(nn.Module):
+    """Two compiled regions (a graph break between them), a non-leaf input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.a(x))
+        torch._dynamo.graph_break()
+        return x + self.b(h)
+
+
+@pytest.mark.parametrize("shape", ["one_region", "two_regions", "first_stage", "non_leaf_input"])
+def test_b_plans_once_then_replays_and_every_guard_miss_plans_again(shape: str, monkeypatch: Any) -> None:
+    """B walks a stage of compiled regions once (``compiled_only_plan``); later
+    microbatches replay that plan behind its guard. The replayed plan is the one
+    the walk would make; each thing the guard checks, changed, makes B walk again
+    (a miss), and the microbatch's gradients are ordinary backward's."""
+    from fxsplit import stage_plan
+
+    walks: list[int] = []
+    walk = stage_plan.compiled_only_plan
+
+    def counting(*args: Any) -> Any:
+        walks.append(1)
+        return walk(*args)
+
+    monkeypatch.setattr(stage_plan, "compiled_only_plan", counting)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = TwoRegions() if shape == "two_regions" else Block()
+    ref = copy.deepcopy(model)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    fn, ref_fn = torch.compile(model, backend=backend), torch.compile(ref, backend=backend)
+    first = shape == "first_stage"
+
+    def microbatch(dims: tuple[int, ...] = (2, 8, D)) -> None:
+        x = torch.randn(dims)
+        xs = [x.clone().requires_grad_(not first) for _ in range(2)]
+        ins = [t * 1.0 for t in xs] if shape == "non_leaf_input" else xs
+        dy = torch.randn(dims)
+        out = fn(ins[0])
+        params = list(model.parameters())  # a frozen one too: the guard reads requires_grad
+        (g,), work = fxsplit.stage_backward_input([out], [dy], [ins[0]], params)
+        fxsplit.stage_backward_weight(params, work)
+        ref_fn(ins[1]).backward(dy)
+        if not first:
+            torch.testing.assert_close(g, ins[1].grad if shape != "non_leaf_input" else xs[1].grad)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad)
+
+    with fxsplit.config.patch(direct_b=True):
+        microbatch()
+        planned = len(walks)
+        assert planned == 1
+        for _ in range(3):
+            microbatch()
+        assert len(walks) == planned, "a stage that did not change was walked again"
+        # (what, the change, whether B must walk: unfreezing returns to the swapped stage, whose plan is kept)
+        changes: list[tuple[str, Callable[[], None], bool]] = [
+            ("weight swapped", lambda: setattr(model.a, "weight", nn.Parameter(model.a.weight.detach() * 1.5)), True),
+            ("weight frozen", lambda: model.a.bias.requires_grad_(False), True),
+            ("weight unfrozen", lambda: model.a.bias.requires_grad_(True), False),
+        ]
+        for what, change, walks_again in changes:
+            change()
+            for m in (model, ref):
+                if what == "weight swapped" and m is ref:
+                    ref.a.weight = nn.Parameter(model.a.weight.detach().clone())
+                elif what != "weight swapped" and m is ref:
+                    ref.a.bias.requires_grad_(model.a.bias.requires_grad)
+            before = len(walks)
+            microbatch()
+            assert (len(walks) > before) == walks_again, f"{what}: walked {len(walks) - before} time(s)"
+            before = len(walks)
+            microbatch()
+            assert len(walks) == before, f"{what}: the new plan was not kept"
+        before = len(walks)
+        microbatch((3, 5, D))  # a new shape: a recompiled region (another node class)
+        assert len(walks) > before, "new shape: the plan was replayed"
