@@ -14,6 +14,7 @@ stay as they were. W itself is transactional (:mod:`fxsplit.pending`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -26,7 +27,7 @@ from torch.autograd.graph import GradientEdge
 
 from fxsplit import _torch_internals as ti
 from fxsplit import config
-from fxsplit.stage_plan import EagerWeightPlan, gradient_edge, plan_stage
+from fxsplit.stage_plan import EagerWeightPlan, gradient_edge, plan_stage, prepare_regions
 from fxsplit.pending import PendingWeightGrads
 from fxsplit.runtime import DeferredGrad, InputCall, registered, run_directly
 
@@ -280,79 +281,73 @@ def stage_backward_input(
     fxsplit regions, and ``NotImplementedError`` for ``create_graph=True``.
     """
     t0 = time.perf_counter_ns()
-    _refuse_create_graph(create_graph)
-    if config.direct_b is not True and config.direct_b is not False and config.direct_b != "auto":
-        config.current("direct_b")  # raises ValueError, naming the option, before any work
-    weights = _weights_list(weights)
-    outs, grads_raw = _flatten_outputs(stage_outputs_or_loss, output_grads)
-    grads = _check_grads(outs, grads_raw)
-
+    outs, grads, weights = _checked_call(stage_outputs_or_loss, output_grads, weights, create_graph)
     grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
+    xs = [v for _, v in grad_inputs]
     out_edges = [_light_edge(o) for o in outs]
-    plan = plan_stage(outs, out_edges, [v for _, v in grad_inputs], weights)
+    plan = plan_stage(outs, out_edges, xs, weights)
     if plan.groups:  # W starts autograd at some outputs: edges that keep their graph alive
         out_edges = [gradient_edge(o) for o in outs]
-    # A first stage (no input needs a gradient): B captures the gradients
-    # flowing into its bottom regions, then runs their dI graphs itself.
-    captures = plan.captures
-    if grad_inputs or captures:
+    if xs or plan.captures:
         _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
         if not plan.prepared:
-            # The dI/dW graphs of the regions this B splits compile on first use,
-            # here: a compile error raises before anything has run.
-            for node in plan.split_regions:
-                ti.compiled_backward_of(node).prepare_split()
+            prepare_regions(plan.split_regions)
+    call, saved, results = _run_b(plan, outs, grads, xs, weights)
+    dinputs: list[torch.Tensor | None] = [None] * len(input_values)
+    for (k, v), g in zip(grad_inputs, results):
+        dinputs[k] = g
+        if g is not None:
+            if v.grad is None:
+                v.grad = g
+            else:
+                v.grad += g
+    del results
+    work = _record_b(plan, weights, call, saved, outs, out_edges, grads)
+    work.timings["b_ns"] = time.perf_counter_ns() - t0
+    return tuple(dinputs), work
 
+
+def _checked_call(
+    outputs: Any, output_grads: Any, weights: Weights, create_graph: bool
+) -> tuple[list[Output], list[torch.Tensor], list[torch.Tensor]]:
+    """B's arguments as flat lists of outputs, their gradients (checked, implicit
+    ones made) and weights; raises, naming the problem, before any work."""
+    _refuse_create_graph(create_graph)
+    if config.direct_b is not True and config.direct_b is not False and config.direct_b != "auto":
+        config.current("direct_b")  # raises ValueError, naming the option
+    weights = _weights_list(weights)
+    outs, grads = _flatten_outputs(outputs, output_grads)
+    return outs, _check_grads(outs, grads), weights
+
+
+def _run_b(
+    plan: EagerWeightPlan, outs: list[Output], grads: list[torch.Tensor], xs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+) -> tuple[InputCall, list[tuple[torch.Tensor | None, ...] | None], Sequence[torch.Tensor | None]]:
+    """B's autograd call, as ``plan`` says: the regions it runs record their W
+    work in the returned call, the gradients flowing into the intermediates are
+    saved for W, and the input gradients (one per ``xs``) are returned."""
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
     # the node), and the hooks are removed before B returns.
     saved: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(plan.intermediates)
-    handles = []
-    for k, node in enumerate(plan.intermediates):
-
-        def save(grad_outputs: tuple[torch.Tensor | None, ...], k: int = k) -> None:
-            saved[k] = tuple(grad_outputs)
-
-        handles.append(node.register_prehook(save))
-
-    # The compiled regions this call runs (exactly the split regions in the B
-    # set) run their dI graph only, and only while this call runs.
+    handles = [node.register_prehook(functools.partial(_save_into, saved, k)) for k, node in enumerate(plan.intermediates)]
     retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
-    call = InputCall(weights, release_saved=retain, keep=plan.rerun, handover=plan.region_starts,
-                     region_params=plan.region_params, region_children=plan.region_children)
+    call = InputCall(weights, plan.region_params, plan.region_children, plan.region_starts, retain, plan.rerun)
     if plan.once:  # (general plans only: a stage of compiled regions has none)
         _keep_outputs(plan.once, call.deferred, handles)
-    dinputs: list[torch.Tensor | None] = [None] * len(input_values)
+    captures = plan.captures
     try:
-        if (grad_inputs or captures) and outs:
-            targets = [v for _, v in grad_inputs] + captures
-            with registered(plan.split_regions, call):
-                if not captures and all(type(t) is torch.Tensor for t in (*outs, *targets)):
-                    # Plain tensors, gradients checked above (_check_grads): the region's
-                    # node itself where nothing differs from an engine call, else the engine.
-                    direct = None if retain else _direct_call(plan, outs, grads, targets)
-                    if direct is not None:
-                        call.release_first = True
-                        results = _run_direct(*direct, targets)
-                    else:
-                        results = ti.engine_grad(outs, grads, targets, retain)
-                elif not grad_inputs and _outputs_are_the_captures(plan, outs, grads):
-                    # A first stage of one region: what flows into it is the output
-                    # gradients themselves (checked above); no engine call to capture them.
-                    results = tuple(grads)
-                else:
-                    results = torch.autograd.grad(
-                        outs, targets, grad_outputs=grads, retain_graph=retain, allow_unused=True
-                    )
-                for (k, _), g in zip(grad_inputs, results):
-                    dinputs[k] = g
-                if captures:
-                    _run_bottom_regions(plan, results[len(grad_inputs):])
-            del results
-            # The graph is retained for the nodes W re-runs; free what the
-            # nodes below the intermediates that only B needed saved.
-            for node in plan.release:
-                ti.release_saved_tensors(node)
+        if not outs or not (xs or captures):
+            return call, saved, ()
+        with registered(plan.split_regions, call):
+            results = _reach_targets(plan, call, outs, grads, xs, retain)
+            if captures:
+                _run_bottom_regions(plan, results[len(xs):])
+        # The graph is retained for the nodes W re-runs; free what the
+        # nodes below the intermediates that only B needed saved.
+        for node in plan.release:
+            ti.release_saved_tensors(node)
     except NotImplementedError:
         raise
     except Exception as e:
@@ -360,19 +355,46 @@ def stage_backward_input(
     finally:
         for h in handles:
             h.remove()
-        del handles
+    return call, saved, results[:len(xs)]
 
-    for v, g in zip(input_values, dinputs):
-        if g is not None:
-            if v.grad is None:
-                v.grad = g
-            else:
-                v.grad += g
 
-    del captures
+def _save_into(saved: list[Any], k: int, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+    saved[k] = tuple(grad_outputs)
+
+
+def _reach_targets(
+    plan: EagerWeightPlan, call: InputCall, outs: list[Output], grads: list[torch.Tensor], xs: list[torch.Tensor],
+    retain: bool,
+) -> Sequence[torch.Tensor | None]:
+    """The gradients of ``xs`` and of the plan's captures, by the cheapest way
+    that is the engine's: the region's node called itself (:func:`_direct_call`),
+    the output gradients themselves (a first stage of one region), or the engine."""
+    captures = plan.captures
+    targets = [*xs, *captures]
+    if not captures and all(type(t) is torch.Tensor for t in (*outs, *targets)):
+        # Plain tensors, gradients checked (_check_grads): the region's node
+        # itself where nothing differs from an engine call, else the engine.
+        direct = None if retain else _direct_call(plan, outs, grads, targets)
+        if direct is None:
+            return ti.engine_grad(outs, grads, targets, retain)
+        call.release_first = True
+        return _run_direct(*direct, targets)
+    if not xs and _outputs_are_the_captures(plan, outs, grads):
+        # A first stage of one region: what flows into it is the output
+        # gradients themselves (checked above); no engine call to capture them.
+        return tuple(grads)
+    return torch.autograd.grad(outs, targets, grad_outputs=grads, retain_graph=retain, allow_unused=True)
+
+
+def _record_b(
+    plan: EagerWeightPlan, weights: list[torch.Tensor], call: InputCall,
+    saved: list[tuple[torch.Tensor | None, ...] | None], outs: list[Output], out_edges: list[Any],
+    grads: list[torch.Tensor],
+) -> PendingWeightGrads:
+    """What B leaves for W, and the outputs marked as B's (detached in place where they may be)."""
     work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
     work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
-    if retain:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
+    if call.release_saved:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
         anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]
         if anchors:
             # The anchors keep the graph above the intermediates alive too, which
@@ -391,14 +413,12 @@ def stage_backward_input(
             # survive the detach, or the output stays attached.
             if not o._is_view() and (not users or ti.keep_saved_through_detach(users, o)):
                 o.detach_()
-    del plan, call  # the plan's node sets and the hand-over bookkeeping are B's only
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "fxsplit: B: dI ran compiled in %s, eager autograd for the rest; W pending: %s",
             ", ".join(sorted({r.region for r in work.compiled})) or "no region", work.summary(),
         )
-    work.timings["b_ns"] = time.perf_counter_ns() - t0
-    return tuple(dinputs), work
+    return work
 
 
 def _keep_outputs(nodes: Sequence[Any], into: list[DeferredGrad], handles: list[Any]) -> None:

@@ -650,6 +650,25 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     ``weights``) of the weights W accumulated inside a dW graph.
     """
 
+    # Defaults, replaced (never mutated) where an instance differs:
+    # W's one-pass cases (see __init__).
+    _single: CompiledWeightWork | None = None
+    _many: list[CompiledWeightWork] | None = None
+    _order: tuple[int, ...] | None = None
+    # Regions B ran dI for: W's eager calls may pass through them and must
+    # not run them again. Weak: W only needs the ones its graph still holds.
+    _split_regions: Sequence[Any] = ()
+    # B-set nodes W's eager calls run again: their saved tensors are held
+    # for W (every other node B ran has freed its own).
+    _rerun: Sequence[Node] = ()
+    # Positions (in ``weights``) of weights an interrupted accumulating
+    # graph may or may not have written: W cannot be repeated.
+    _unknown: Sequence[int] = ()
+    # What keeps the graph W re-runs alive on torch 2.11 (anchor).
+    _anchors: Sequence[Any] = ()
+    unreached = 0
+    done = False
+
     def __init__(
         self,
         weights: Sequence[torch.Tensor],
@@ -678,9 +697,6 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # decided likewise, region by region (``_many``; ``_order``: the
         # regions' weights, one after the other).
         n = len(self._weights)
-        self._single: CompiledWeightWork | None = None
-        self._many: list[CompiledWeightWork] | None = None
-        self._order: tuple[int, ...] | None = None
         if compiled and not groups and (weights_distinct or len(set(map(id, self._weights))) == n):
             theirs = compiled[0].params if len(compiled) == 1 else [p for r in compiled for p in r.params]
             order: tuple[int | None, ...] | None = None
@@ -694,20 +710,14 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 else:
                     self._many = list(compiled)
                 self._order = order  # type: ignore[assignment]
-        # Regions B ran dI for: W's eager calls may pass through them and must
-        # not run them again. Weak: W only needs the ones its graph still holds.
-        self._split_regions = [weakref.ref(n) for n in split_regions] if groups else []
-        self.unreached = unreached
-        # B-set nodes W's eager calls run again: their saved tensors are held
-        # for W (every other node B ran has freed its own).
-        self._rerun = list(rerun)
+        if groups:
+            self._split_regions = [weakref.ref(n) for n in split_regions]
+        if rerun:
+            self._rerun = list(rerun)
+        if unreached:
+            self.unreached = unreached
         self._committed: set[int] = set()
-        # Positions (in ``weights``) of weights an interrupted accumulating
-        # graph may or may not have written: W cannot be repeated.
-        self._unknown: list[int] = []
-        self._anchors: list[Any] = []
         self._lock = threading.Lock()
-        self.done = False
         # Nanoseconds, for the benchmark: B's total and the part inside the
         # compiled dI graphs (set by stage_backward_input); W's total, the
         # part inside dW graphs and the part in the commit's autograd calls.
@@ -766,7 +776,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     def anchor(self, anchors: Iterable[Any]) -> None:
         """Keep these objects (``_torch_internals.graph_anchor``: what keeps the
         autograd graph W re-runs alive on torch 2.11) until W completes."""
-        self._anchors.extend(a for a in anchors if a is not None)
+        self._anchors = [*self._anchors, *(a for a in anchors if a is not None)]
 
     # -- upstream-style view ---------------------------------------------------
     def _views(self) -> list[ParamGroup]:
@@ -969,7 +979,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 self.accumulated_in_graph.append(position[id(p)])
                 written.append(g)
             elif state == "unknown":
-                self._unknown.append(position[id(p)])
+                self._unknown = [*self._unknown, position[id(p)]]
         # What a completed accumulating graph's caller does (CompiledWeightWork.accumulate).
         torch.autograd.graph.increment_version(written)
 
@@ -1296,7 +1306,5 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self.done = True
         self.compiled = []
         self.groups = []
-        self._split_regions = []
-        self._rerun = []
-        self._anchors = []
+        self._split_regions = self._rerun = self._anchors = ()
         self._committed = set()

@@ -102,16 +102,16 @@ class InputCall:
     dW gradients for those only. ``records`` and ``deferred`` fill up while
     the call runs (appends are atomic, so several engine threads may add).
 
-    ``release_saved``: the call retains the graph (eager code needs W to
-    re-run nodes), so a region frees the activations it saved itself, once
-    its dI graph has run, unless its node is in ``keep`` (W's eager calls
-    pass through it). Without a retained graph the engine frees them.
-    ``handover``: the region nodes that may hand input gradients to W's eager part.
     ``region_params``: per region node, the given parameter behind each of
     its ``next_functions`` (``None`` elsewhere), where B's plan found them
     already; other regions look them up by ``weight_ids``.
     ``region_children``: for the same nodes, the node of each of their
     ``next_functions`` (``None`` where an edge has none), as the plan read them.
+    ``handover``: the region nodes that may hand input gradients to W's eager part.
+    ``release_saved``: the call retains the graph (eager code needs W to
+    re-run nodes), so a region frees the activations it saved itself, once
+    its dI graph has run, unless its node is in ``keep`` (W's eager calls
+    pass through it). Without a retained graph the engine frees them.
     ``release_first``: B calls the region's node itself, outside the engine
     (:func:`run_directly`), with the graph not retained: the region frees
     the activations it saved before its dI graph runs, as AOTAutograd does
@@ -120,32 +120,32 @@ class InputCall:
     each one after its last use.
     """
 
-    __slots__ = ("_weights", "_weight_ids", "records", "deferred", "release_saved", "keep", "handover", "timings",
-                 "region_params", "region_children", "release_first")
+    # What a stage of compiled regions only needs, unless the constructor says otherwise.
+    release_saved = False
+    keep: frozenset[Any] = frozenset()
+    release_first = False
+    _weight_ids: frozenset[int] | None = None
 
     def __init__(
         self,
         weights: Sequence[Any],
+        region_params: Mapping[Any, Sequence[Any]],
+        region_children: Mapping[Any, Sequence[Any]],
+        handover: Iterable[Any] = (),
         release_saved: bool = False,
         keep: Iterable[Any] = (),
-        handover: Iterable[Any] | None = None,
-        region_params: Mapping[Any, Sequence[Any]] | None = None,
-        region_children: Mapping[Any, Sequence[Any]] | None = None,
     ) -> None:
         self._weights = weights
-        self._weight_ids: frozenset[int] | None = None
-        self.region_params = region_params or {}
-        self.region_children = region_children or {}
+        self.region_params = region_params
+        self.region_children = region_children
+        self.handover = frozenset(handover) if handover else self.keep
         self.records: list[CompiledWeightWork] = []
         self.deferred: list[DeferredGrad] = []
-        self.release_saved = release_saved
-        self.keep = frozenset(keep)
-        # The region nodes whose unused input gradients W's eager part may need
-        # (the plan's region starts); None: every region's, as B cannot tell.
-        self.handover = None if handover is None else frozenset(handover)
         # Time inside the dI graphs this call ran ("b_graph_ns").
         self.timings: dict[str, int] = {}
-        self.release_first = False
+        if release_saved:
+            self.release_saved = True
+            self.keep = frozenset(keep)
 
     @property
     def weight_ids(self) -> frozenset[int]:
@@ -190,9 +190,6 @@ class registered:  # noqa: N801 - used as a function: ``with registered(nodes, c
                     "fxsplit: another split backward is running through this microbatch's autograd graph "
                     f"({node.name()} is registered by it); B and W of one microbatch cannot overlap"
                 )
-        for node in nodes:
-            # B returns no weight gradients: a region with DTensor weights must accept that.
-            ti.let_backward_leave_subclass_gradients_out(node)
         done = self._done
         try:
             for node in nodes:
@@ -883,7 +880,7 @@ class CompiledSplitBackward:
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
-        if call.handover is not None and node not in call.handover:
+        if node not in call.handover:
             return result
         handed: set[int] = set()
         edges = self.layout.edges_by_output(edges if edges is not None else node.next_functions, self.name)

@@ -875,6 +875,16 @@ def _region_shape(
                         items_getter(acc_pos), items_getter(node_exp + acc_exp), items_getter(params))
 
 
+def prepare_regions(nodes: Iterable[Node]) -> None:
+    """Make split regions ready for B: their dI and dW graphs compiled (a
+    compile error raises before anything has run), and their nodes accepting
+    ``None`` for the gradients of tensor-subclass weights (B returns none);
+    both once per region, so a replayed plan needs neither."""
+    for node in nodes:
+        ti.compiled_backward_of(node).prepare_split()
+        ti.let_backward_leave_subclass_gradients_out(node)
+
+
 def plan_stage(
     outs: Sequence[torch.Tensor | GradientEdge],
     out_edges: Sequence[GradientEdge],
@@ -908,8 +918,7 @@ def plan_stage(
     if plan is None:
         edges = [gradient_edge(o) for o in outs]
         return plan_eager_weight_work(edges, [gradient_edge(x).node for x in xs] if outs else [], weights)
-    for node in plan.split_regions:
-        ti.compiled_backward_of(node).prepare_split()  # a compile error raises before anything has run
+    prepare_regions(plan.split_regions)
     plan.prepared = True
     shape = _stage_shape(plan, out_nodes, xs, weights)
     if shape is not None:
