@@ -54,8 +54,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import itertools
 import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -439,126 +437,81 @@ def compiled_only_plan(
     the outputs is a split region, the gradient node of a stage input, or the
     grad accumulator of a given ``nn.Parameter`` (whose gradient a region's dW
     graph computes), and every region leads to a stage input.
-    ``inputs``: the stage inputs that need a gradient; those that are leaves
-    are known by their grad accumulator's variable (finding the accumulator
-    itself costs a view op). With none (a first stage), only a stage of one region whose outputs
-    are the stage's is planned here: that region is the bottom region, and
-    the gradients flowing into it are the output gradients themselves.
-    One walk over those nodes decides it, instead of the per-weight walks of
-    the general plan (the same result, without its cost on every B). Given
-    weights that no region reaches are counted in ``unreached``, as the
-    general plan counts them; W leaves them as ordinary backward does.
+    ``inputs``: the stage inputs that need a gradient (a leaf among them is
+    known by its grad accumulator's variable). With none (a first stage), only
+    a stage of one region whose outputs are the stage's is planned here: that
+    region is the bottom region, and the gradients flowing into it are the
+    output gradients themselves. Given weights that no region reaches are
+    counted in ``unreached``, as the general plan counts them; W leaves them as
+    ordinary backward does. Run once per stage shape (:func:`plan_stage`
+    replays its result), so it is written for reading, not speed.
     """
-    # A first stage (no input needs a gradient): planned here where it is one
-    # region whose outputs are the stage's; its B runs that region's dI graph
-    # on the output gradients (the bottom region, captured at the outputs).
-    xs = inputs
-    first = not xs
-    leaves = {id(x) for x in xs if x.grad_fn is None}
-    inputs = {x.grad_fn for x in xs if x.grad_fn is not None}
-    # Every weight's id: the given weights that require grad where the walk
-    # finds them all (the common case, decided without reading requires_grad).
-    given = set(map(id, weights))
+    leaves = {id(x) for x in inputs if x.grad_fn is None}
+    input_nodes = {x.grad_fn for x in inputs if x.grad_fn is not None}
+    given = {id(w) for w in weights}
     accumulate_grad = ti.accumulate_grad_type()
-    parameter = torch.nn.Parameter
-    # region -> the nodes below it that are regions or inputs (for the check below)
-    regions: dict[Node, list[Node]] = {}
+    below: dict[Node, list[Node]] = {}  # region -> the regions and inputs right below it
     found: set[int] = set()
     region_params: dict[Node, list[torch.Tensor | None]] = {}
     region_children: dict[Node, list[Node | None]] = {}
-    input_edges: dict[Node, dict[Any, int]] = {}
+    entries: dict[Node, dict[Any, int]] = {}  # region -> {input key: its edge, -1 where several}
     queue = [e.node for e in output_edges]
     while queue:
         node = queue.pop()
-        if node is None or node in regions or node in inputs:
+        if node is None or node in below or node in input_nodes:
             continue
         if not is_split_region(node):
             return None
-        # Read in bulk (C-level iteration), by where the grad accumulators sit
-        # among the node's children (one lookup per distinct arrangement).
-        edges = node.next_functions
-        children = list(map(_first, edges))
-        accumulators, others, spread = _arrangement(tuple(map(type, children)), accumulate_grad)
-        below = [children[k] for k in others]
-        entries: dict[Any, int] = {}
-        for k in others:
-            if children[k] in inputs:
-                key = (id(children[k]), edges[k][1])
-                entries[key] = -1 if key in entries else k
-        if accumulators:
-            variables = list(map(_variable, map(children.__getitem__, accumulators)))
-            ids = list(map(id, variables))
-            weights_here = variables
-            if not leaves.isdisjoint(ids):
-                # Stage inputs that are leaves (their accumulators are inputs, not weights).
-                is_leaf = list(map(leaves.__contains__, ids))
-                for k, key in zip(itertools.compress(accumulators, is_leaf), itertools.compress(ids, is_leaf)):
-                    inputs.add(children[k])
-                    below.append(children[k])
-                    entries[key] = -1 if key in entries else k
-                weights_here = list(variables)
-                for n in itertools.compress(range(len(is_leaf)), is_leaf):
-                    weights_here[n] = None
-                ids = list(itertools.compress(ids, map(operator.not_, is_leaf)))
-                variables = list(itertools.compress(variables, map(operator.not_, is_leaf)))
-            if not (given.issuperset(ids) and all(map(isinstance, variables, itertools.repeat(parameter)))):
-                # A leaf that is not a given weight, or a plain-tensor weight (a region
-                # computes its gradient in dI, as an input's): the general plan handles it.
-                return None
-            found.update(ids)
-            params = spread(weights_here)
-        else:
-            params = [None] * len(children)
-        regions[node] = below
-        region_params[node] = params
-        region_children[node] = children
-        input_edges[node] = entries
-        queue.extend(c for c in below if c not in inputs and c not in regions)
-    distinct = len(given) == len(weights)
-    unreached = 0
-    if found != given:
-        given = set(map(id, itertools.compress(weights, map(_requires_grad, weights))))
-        distinct = False
-        # Given weights that require grad and that no region reaches (a stage's
-        # unused parameter, such as a middle stage's token embedding): W leaves
-        # them as ordinary backward does. Every weight found is among them.
-        unreached = len(given) - len(found)
-    if not regions:
+        below[node], region_params[node], region_children[node], entries[node] = [], [], [], {}
+        for k, (child, nr) in enumerate(node.next_functions):
+            region_children[node].append(child)
+            param, key = None, None
+            if type(child) is accumulate_grad and id(child.variable) in leaves:
+                key = id(child.variable)
+            elif type(child) is accumulate_grad:
+                param = child.variable
+                if id(param) not in given or not isinstance(param, torch.nn.Parameter):
+                    return None  # a leaf no given weight, or a plain-tensor weight: the general plan
+                found.add(id(param))
+            elif child in input_nodes:
+                key = (id(child), nr)
+            elif child is not None:
+                queue.append(child)
+            region_params[node].append(param)
+            if key is not None:
+                entries[node][key] = -1 if key in entries[node] else k
+            if child is not None and param is None:
+                below[node].append(child)
+    if not below:
         return None
-    if first:
-        if len(regions) != 1:
-            return None  # (the general plan finds the bottom regions and what flows into them)
-        (node,) = regions
-        if any(e.node is not node for e in output_edges):
+    wanted = {id(w) for w in weights if w.requires_grad}
+    distinct = len(given) == len(weights) and found == given
+    plan = EagerWeightPlan.compiled_only(
+        list(below), len(output_edges), region_params, region_children, distinct,
+        0 if found == given else len(wanted) - len(found),
+    )
+    if not inputs:  # a first stage: one region, whose outputs are the stage's
+        (node, *others) = below
+        if others or any(e.node is not node for e in output_edges):
             return None
-        plan = EagerWeightPlan.compiled_only(
-            [node], len(output_edges), region_params, region_children, distinct, unreached
-        )
         plan.bottom_regions = [node]
         plan.captures = list(output_edges)
         return plan
     # Every region must lead to a stage input (else its whole backward is W work).
-    if len(regions) == 1:
-        (below,) = regions.values()
-        if inputs.isdisjoint(below):
-            return None
-    else:
-        reaches: set[Node] = set()
-        grew = True
-        while grew:  # a fixpoint: regions are few
-            grew = False
-            for node, below in regions.items():
-                if node not in reaches and any(c in inputs or c in reaches for c in below):
-                    reaches.add(node)
-                    grew = True
-        if len(reaches) != len(regions):
-            return None
-    plan = EagerWeightPlan.compiled_only(
-        list(regions), len(output_edges), region_params, region_children, distinct, unreached
-    )
-    if len(regions) == 1:
-        (node,) = regions
-        plan.direct_edges = _direct_edges(node, input_edges[node], xs)
+    reaches: set[Node] = set()
+    grew = True
+    while grew:  # a fixpoint: regions are few
+        grew = False
+        for node, nodes in below.items():
+            if node not in reaches and any(c in input_nodes or c in reaches or id(getattr(c, "variable", None)) in leaves
+                                           for c in nodes):
+                reaches.add(node)
+                grew = True
+    if len(reaches) != len(below):
+        return None
+    if len(below) == 1:
+        (node,) = below
+        plan.direct_edges = _direct_edges(node, entries[node], inputs)
     return plan
 
 
@@ -575,27 +528,9 @@ def _direct_edges(node: Node, entries: dict[Any, int], xs: Sequence[torch.Tensor
 
 
 _first = operator.itemgetter(0)
+_node_of = operator.attrgetter("node")
 _variable = operator.attrgetter("variable")
 _requires_grad = operator.attrgetter("requires_grad")
-
-
-@functools.lru_cache(maxsize=256)
-def _arrangement(
-    kinds: tuple[type, ...], accumulate_grad: type
-) -> tuple[tuple[int, ...], tuple[int, ...], Callable[[list[Any]], list[Any]]]:
-    """For a node whose children have these types: the positions of the grad
-    accumulators, of the other nodes (not ``None``), and a function spreading
-    one value per accumulator over the children's positions (``None`` at the
-    others), as a list."""
-    none = type(None)
-    accumulators = tuple(k for k, t in enumerate(kinds) if t is accumulate_grad)
-    at = {k: n for n, k in enumerate(accumulators)}
-    gather = items_getter([at.get(k, len(accumulators)) for k in range(len(kinds))])
-    return (
-        accumulators,
-        tuple(k for k, t in enumerate(kinds) if t is not accumulate_grad and t is not none),
-        lambda values: gather([*values, None]),
-    )
 
 
 def _once() -> bool:
@@ -761,10 +696,9 @@ class StageShape:
     outputs: int
     regions: tuple[_RegionShape, ...]
     output_regions: Callable[[Sequence[Any]], list[Any]]
-    distinct: bool
-    unreached: int
     first: bool
-    direct_edges: tuple[int, ...] | None
+    # The plan's fields that are the same on every replay (read-only, shared).
+    fields: dict[str, Any]
     # (position among the one region's children, input index, output number)
     # for the non-leaf inputs of a plan with direct_edges
     input_numbers: tuple[tuple[int, int, int], ...]
@@ -801,13 +735,12 @@ class StageShape:
             edges = nodes[0].next_functions
             if any(edges[k][1] != nr or xs[i].output_nr != nr for k, i, nr in self.input_numbers):
                 return None
+        plan = object.__new__(EagerWeightPlan)  # (the fields every replay shares, then this call's)
+        plan.__dict__.update(self.fields)
+        plan.split_regions = nodes
         row = [*weights, None]
-        plan = EagerWeightPlan.compiled_only(
-            nodes, self.outputs, {n: r.params(row) for n, r in zip(nodes, self.regions)}, dict(zip(nodes, children)),
-            self.distinct, self.unreached,
-        )
-        plan.direct_edges = self.direct_edges
-        plan.prepared = True
+        plan.region_params = {n: r.params(row) for n, r in zip(nodes, self.regions)}
+        plan.region_children = dict(zip(nodes, children))
         if self.first:
             plan.bottom_regions = nodes
             plan.captures = list(out_edges)
@@ -840,8 +773,9 @@ def _stage_shape(
         numbers = tuple((k, i, x.output_nr) for i, (k, x) in enumerate(zip(plan.direct_edges, xs)) if x.grad_fn is not None)
     return StageShape(
         refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shapes),
-        items_getter([index[n] for n in out_nodes]), plan.weights_distinct, plan.unreached, bool(plan.captures),
-        plan.direct_edges, numbers,
+        items_getter([index[n] for n in out_nodes]), bool(plan.captures),
+        {**_COMPILED_ONLY_FIELDS, "output_users": plan.output_users, "weights_distinct": plan.weights_distinct,
+         "unreached": plan.unreached, "direct_edges": plan.direct_edges, "prepared": True}, numbers,
     )
 
 
@@ -902,18 +836,16 @@ def plan_stage(
     this microbatch's eager nodes. Every split region's graphs are compiled
     when the returned plan is ``prepared``; otherwise B compiles them.
     """
-    out_nodes = [e.node for e in out_edges]
-    head = out_nodes[0] if out_nodes else None
-    shapes = None
-    if head is not None and is_split_region(head):
-        shapes = type(head).__dict__.get(_PLANS_ATTR)
-        if shapes is None:
-            shapes = []
-            setattr(type(head), _PLANS_ATTR, shapes)
+    out_nodes = list(map(_node_of, out_edges))
+    shapes = type(out_nodes[0]).__dict__.get(_PLANS_ATTR) if out_nodes else None  # (only split regions' classes)
+    if shapes:
         for shape in shapes:
             plan = shape.replay(out_edges, out_nodes, xs, weights)
             if plan is not None:
                 return plan
+    elif shapes is None and out_nodes and out_nodes[0] is not None and is_split_region(out_nodes[0]):
+        shapes = []
+        setattr(type(out_nodes[0]), _PLANS_ATTR, shapes)
     plan = compiled_only_plan(out_edges, xs, weights) if shapes is not None else None
     if plan is None:
         edges = [gradient_edge(o) for o in outs]
