@@ -670,15 +670,39 @@ def _tensor_guards_class() -> Any:
     return cls
 
 
+def items_picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function returning ``tuple(seq[k] for k in positions)`` in one C-level call."""
+    if len(positions) == 1:
+        (k,) = positions
+        return lambda seq: (seq[k],)
+    return operator.itemgetter(*positions)
+
+
 def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
     """A check, in one C call, that tensors have exactly the metadata of
     ``tensors`` (Python type, dispatch keys, dtype, device, ``requires_grad``,
     sizes, strides; not the storage offset or whether it is a view), as
     Dynamo's tensor guards check a frame's inputs (``TensorGuards``), or
-    ``None`` where this torch has no such class or refuses these tensors."""
+    ``None`` where this torch has no such class or refuses these tensors.
+    A tensor given at several positions must be the same object there again."""
     cls = _tensor_guards_class()
     if cls is None:
         return None
+    first: dict[int, int] = {}
+    repeats = [(first.setdefault(id(t), k), k) for k, t in enumerate(tensors) if first.setdefault(id(t), k) != k]
+    if repeats:
+        # Dynamo's guard refuses a tensor given twice: guard each distinct one
+        # and require the repeats to be the same objects again.
+        kept = sorted(first.values())
+        inner = metadata_guard([tensors[k] for k in kept])
+        if inner is None:
+            return None
+        pick = items_picker(kept)
+
+        def check_with_repeats(*ts: torch.Tensor) -> bool:
+            return all(ts[j] is ts[k] for j, k in repeats) and inner(*pick(ts))
+
+        return check_with_repeats
     try:
         guard = cls(
             *tensors,

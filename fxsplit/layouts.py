@@ -202,6 +202,10 @@ class TensorLayout:
         return f"{self.dtype} size ({sizes}) dense in dimension order {list(self.order)}{broadcast}"
 
 
+# Metadata guards a BoundaryGuard makes before it checks every call in Python.
+_MAX_GUARDS = 8
+
+
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} size {tuple(t.shape)} stride {tuple(t.stride())} offset {t.storage_offset()}"
 
@@ -216,7 +220,7 @@ class BoundaryGuard:
     ``region`` names the region in logs.
     """
 
-    __slots__ = ("region", "_checks", "_exact", "adapted", "_reported", "_fast", "_pick", "_fast_state")
+    __slots__ = ("region", "_checks", "_exact", "adapted", "_reported", "_fast", "_pick", "_fast_state", "_guards_made")
 
     def __init__(
         self, region: str, expected: Sequence[Any], names: Sequence[str], strides: Sequence[bool] | None = None
@@ -236,14 +240,18 @@ class BoundaryGuard:
         # name -> what was found and what was done, for inspection (first occurrence).
         self.adapted: dict[str, str] = {}
         self._reported: set[str] = set()
-        # After a call whose values all matched exactly: one C call that passes
-        # values with exactly their metadata (a graph with static shapes returns
-        # the same layouts every call). Given up at its first miss (the Python
-        # check below decides every call then, as before).
+        # After a call whose values all passed as they came (exactly as compiled
+        # for, or in a layout the consumer accepts: nothing conformed): one C call
+        # that passes values with exactly their metadata, which the checks below
+        # read nothing else of (a graph with static shapes returns the same
+        # layouts every call). A miss checks that call in Python and guards its
+        # metadata instead, up to _MAX_GUARDS times; then the Python check decides
+        # every call (a producer whose layouts keep changing).
         positions = tuple(i for i, *_ in self._exact)
         self._pick = operator.itemgetter(*positions) if len(positions) > 1 else None
         self._fast: Callable[..., bool] | None = None
         self._fast_state = "untried" if positions else "off"
+        self._guards_made = 0
 
     def __call__(self, values: list[Any]) -> list[Any]:
         """Conform ``values`` in place (and return them)."""
@@ -252,7 +260,7 @@ class BoundaryGuard:
             if fast(*self._pick(values)):  # type: ignore[misc]
                 return values
             self._fast = None
-            self._fast_state = "off"
+            self._fast_state = "untried" if self._guards_made < _MAX_GUARDS else "off"
         conformed = False
         for i, size, stride, dtype, k in self._exact:
             t = values[i]
@@ -263,14 +271,16 @@ class BoundaryGuard:
                 and t.dtype is dtype
             ):
                 continue
-            if isinstance(t, torch.Tensor):
-                _, name, layout = self._checks[k]
-                if not layout.matches(t):
-                    values[i] = self._conform(name, layout, t)
-            conformed = True  # not exactly as compiled for (or not a plain tensor): no guard
+            if t.__class__ is not torch.Tensor:
+                conformed = True  # (a subclass or no tensor: checked every call, never guarded)
+            _, name, layout = self._checks[k]
+            if isinstance(t, torch.Tensor) and not layout.matches(t):
+                values[i] = self._conform(name, layout, t)
+                conformed = True
         if not conformed and self._fast_state == "untried" and self._pick is not None:
-            self._fast_state = "on"
+            self._guards_made += 1
             self._fast = ti.metadata_guard(list(self._pick(values)))
+            self._fast_state = "on" if self._fast is not None else "off"
         return values
 
     def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor) -> torch.Tensor:

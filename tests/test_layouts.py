@@ -560,3 +560,42 @@ def test_graphs_are_called_past_their_wrapper_only_while_no_one_records_each_cal
     calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
     # the compiled forward's three calls, and the backward graphs': 2 x (dI, dW) and one fused
     assert len(calls) == 3 + 5, [e.name for e in calls]
+
+
+def test_metadata_guard_passes_exactly_the_metadata_it_was_made_on_also_with_a_tensor_given_twice() -> None:
+    """The C-level check the boundary guard and W keep: a tensor at two
+    positions (a dI output that is also a live-in) must be the same object
+    there again; any other change of metadata fails it."""
+    from fxsplit._torch_internals import _tensor_guards_class, metadata_guard
+
+    if _tensor_guards_class() is None:
+        pytest.skip("this torch has no usable TensorGuards class")
+    a, b = torch.zeros(2, 3), torch.zeros(3, 2).mT
+    guard = metadata_guard([a, b, a])
+    assert guard is not None
+    a2, b2 = torch.ones(2, 3), torch.ones(3, 2).mT
+    assert guard(a2, b2, a2)
+    assert not guard(a2, b2, torch.ones(2, 3))  # the same metadata, but not the same tensor again
+    assert not guard(a2, torch.ones(2, 3), a2)  # other strides
+    assert not guard(a2.double(), b2, a2.double())  # another dtype
+    assert not guard(a2, b2, b2)
+
+
+def test_boundary_guard_guards_a_call_that_passed_in_an_accepted_layout() -> None:
+    """Values that pass without being conformed, in a layout the consumer
+    accepts though not the compiled one (a size-1 dimension's stride), and a
+    tensor at two positions: the next call with that metadata is checked in one
+    C call; a value that then needs conforming is still conformed."""
+    expected = [torch.empty(1, 8), torch.empty(4, 8)]
+    guard = BoundaryGuard("region", [*expected, expected[1]], ["a", "b", "c"])
+    odd = torch.empty(8, 1).t()  # shape (1, 8), strides (1, 1): accepted, not exact
+    assert odd.stride() != expected[0].stride()
+    x = torch.randn(4, 8)
+    assert guard([odd, x, x]) == [odd, x, x]
+    assert guard._fast_state == "on"
+    y = torch.randn(4, 8)
+    values = [torch.empty(8, 1).t(), y, y]
+    assert all(a is b for a, b in zip(guard(list(values)), values))
+    wrong = torch.randn(8, 4).t()  # (4, 8) column-major: conformed to the compiled layout
+    got = guard([torch.empty(8, 1).t(), wrong, wrong])
+    assert got[1].stride() == (8, 1) and torch.equal(got[1], wrong)
