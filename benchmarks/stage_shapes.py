@@ -7,7 +7,7 @@ many more lines of Python around the graphs, which on a host-bound stage is
 time. This counts, per shape, the lines of Python one B and one W run outside
 the compiled graphs' own code (as ``host_overhead --lines`` does for the
 tiny bench stage), and beside them one ordinary backward through the same
-region (``torch.autograd.backward``), after two warm-up microbatches, on a small
+region (``torch.autograd.backward``), after three warm-up microbatches, on a small
 LayerNorm-Linear-GELU-Linear block with a residual:
 
     python -m benchmarks.stage_shapes                      # every shape, Inductor
@@ -75,6 +75,10 @@ class Block(nn.Module):
         return h
 
 
+# Microbatches before the one counted: a compiled graph's third call is the first
+# that skips the CompiledFxGraph wrapper (fxsplit.runtime: _callable).
+WARM_UP = 3
+
 SHAPES = ("base", "frozen", "unused", "tied", "two_inputs", "two_outputs", "view_output", "graph_break",
           "first_stage", "accumulating")
 
@@ -110,7 +114,7 @@ def count(shape: str, compiler: str) -> dict[str, Any]:
         return b_lines, w_lines
 
     with fxsplit.config.patch(direct_b=True):
-        for _ in range(2):
+        for _ in range(WARM_UP):
             step(False)
             step("ordinary")
         measured = step(True)
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
               f"direct calls {r['direct_b_runs']}", flush=True)
     if args.out is not None:
         command = " ".join(["python -m benchmarks.stage_shapes", *(sys.argv[1:] if argv is None else argv)])
-        doc = {"what": "lines of Python outside the compiled graphs, one B and one W after two warm-up microbatches",
+        doc = {"what": "lines of Python outside the compiled graphs, one B and one W after three warm-up microbatches",
                "compiler": args.compiler, "device": "cpu (line counts do not depend on the machine)",
                "shapes": result, **provenance(command)}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")

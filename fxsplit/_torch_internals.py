@@ -1261,16 +1261,20 @@ def current_ledger() -> AccumulationLedger | None:
     return getattr(_LEDGERS, "current", None)
 
 
-@contextlib.contextmanager
-def recording_accumulation() -> Iterator[AccumulationLedger]:
-    """Record, in this thread, the brackets the accumulating graphs run inside the block."""
-    previous = getattr(_LEDGERS, "current", None)
-    ledger = AccumulationLedger()
-    _LEDGERS.current = ledger
-    try:
-        yield ledger
-    finally:
-        _LEDGERS.current = previous
+class recording_accumulation:  # (lower case: used as a function, ``with recording_accumulation() as ledger:``)
+    """Record, in this thread, the brackets the accumulating graphs run inside
+    the block. A class, not a generator-based context manager: W enters one
+    per accumulating graph, and its frames are lines W runs on every call."""
+
+    __slots__ = ("_previous",)
+
+    def __enter__(self) -> AccumulationLedger:
+        self._previous = getattr(_LEDGERS, "current", None)
+        ledger = _LEDGERS.current = AccumulationLedger()
+        return ledger
+
+    def __exit__(self, *exc: object) -> None:
+        _LEDGERS.current = self._previous
 
 
 def _define_accumulating_matmul() -> tuple[Any, Any]:

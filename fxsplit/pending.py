@@ -1258,6 +1258,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         itself (:meth:`_fusion_allowed`), for a weight no eager group
         reaches, and :func:`takes_gradient_like_autograd`. Autograd's engine
         call would do exactly that assignment, at the cost of an engine call."""
+        if not compiled:  # (every gradient accumulated in its dW graph)
+            return []
         eager = {id(w) for g in self.groups for w in g.weights} if self.groups else ()
         allowed: dict[int, bool] = {}  # per record: decided once, not per weight
         storage_ptr = ti.storage_ptr

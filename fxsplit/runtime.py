@@ -501,7 +501,8 @@ class CompiledSplitBackward:
         self._boundary: BoundaryGuard | None = None
         # The accumulating dW graph last chosen, with the .grad tensors (weakly)
         # it was chosen for: W on the same .grad tensors skips the layout key.
-        self._last_accumulating: tuple[tuple[int, ...], tuple[Any, ...], Any] | None = None
+        # (positions, the .grad tensors weakly, the graph, its key in _compiled)
+        self._last_accumulating: tuple[tuple[int, ...], tuple[Any, ...], Any, Any] | None = None
         # dw_positions' answers, by the weight positions asked for
         self._dw_positions: dict[tuple[int, ...], tuple[int, ...]] = {}
         # Callables that tools and tests put in place of a graph (see _run_di).
@@ -509,8 +510,8 @@ class CompiledSplitBackward:
         # Per graph kind: called once through its compiled wrapper, and what to
         # call from then on (the generated code, or the graph itself where it
         # has none; see _callable).
-        self._called: set[str] = set()
-        self._inner: dict[str, ti.BoxedCallable] = {}
+        self._called: set[Any] = set()
+        self._inner: dict[Any, ti.BoxedCallable] = {}
         out_vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
                     for n in split.dw_graph.graph.output_node().args[0]] if split.dw_outputs else []
         # The dtype of each weight's gradient (None where unknown, and for a
@@ -580,11 +581,15 @@ class CompiledSplitBackward:
         inner = self._inner.get(kind)
         if inner is not None and not ti.graph_calls_observed():
             return inner
-        fn = self._graph(kind)
-        if kind in self._called:
-            self._inner[kind] = ti.generated_call(fn) or fn
+        return self._called_once_more(kind, self._graph(kind))
+
+    def _called_once_more(self, key: Any, fn: ti.BoxedCallable) -> ti.BoxedCallable:
+        """``fn`` (compiled graph ``key``), noting the call: from its second
+        call on, :meth:`_callable` may call the generated code itself."""
+        if key in self._called:
+            self._inner[key] = ti.generated_call(fn) or fn
         else:
-            self._called.add(kind)
+            self._called.add(key)
         return fn
 
     def _graph(self, kind: str) -> ti.BoxedCallable:
@@ -620,13 +625,18 @@ class CompiledSplitBackward:
             and last[0] == positions
             and len(last[1]) == len(grads)
             and all(map(operator.is_, map(_deref, last[1]), grads))
-        ):
-            return last[2]  # the same .grad tensors as last time: the same layouts
+        ):  # the same .grad tensors as last time: the same layouts
+            inner = self._inner.get(last[3])
+            if inner is not None and not ti.graph_calls_observed():
+                return inner  # (as _callable)
+            return self._called_once_more(last[3], last[2])
         key = ("dW+accumulate", positions, tuple((tuple(g.stride()), g.dtype, g.device) for g in grads))
         if key in self._compiled:
             fn = self._compiled[key]
-            self._last_accumulating = (positions, tuple(weakref.ref(g) for g in grads), fn)
-            return fn
+            if fn is None:
+                return None
+            self._last_accumulating = (positions, tuple(weakref.ref(g) for g in grads), fn, key)
+            return self._called_once_more(key, fn)
         self._graph("dW")  # the variant is compiled for the live-ins' layout, as dW
         with self._lock:
             if key not in self._compiled:
@@ -634,6 +644,8 @@ class CompiledSplitBackward:
                 # A .grad whose layout keeps changing would compile without end: stop at a few.
                 fn = self.graphs.compile_accumulating(positions, grads) if variants < MAX_ACCUMULATING_LAYOUTS else None
                 self._compiled[key] = fn
+                if fn is not None:
+                    self._called.add(key)  # (its first call is the caller's, through the wrapper)
             return self._compiled[key]
 
     def dw_positions(self, weights: Sequence[int]) -> tuple[int, ...]:

@@ -562,6 +562,42 @@ def test_graphs_are_called_past_their_wrapper_only_while_no_one_records_each_cal
     assert len(calls) == 3 + 5, [e.name for e in calls]
 
 
+def test_accumulating_dw_graphs_are_called_past_their_wrapper_too() -> None:
+    """The dW variant that accumulates into ``.grad`` (every microbatch after a
+    step's first) is called as dI and dW are: Inductor's generated code from
+    its third call on, through its wrapper while the profiler records each
+    call. Gradients as after ordinary backward on an uncompiled copy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxsplit.backend(fallback="error"))
+    params = list(model.parameters())
+
+    def microbatch() -> None:
+        x, g = torch.randn(4, 8), torch.randn(4, 8)
+        xa = x.clone().requires_grad_()
+        _, work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
+        fxsplit.stage_backward_weight(params, work)
+        assert work.accumulated_in_graph or all(p.grad is not None for p in params)
+        ref(x).backward(g)
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+
+    before = fxsplit.compiled_regions()
+    for _ in range(5):  # the first takes an empty .grad; four accumulate
+        microbatch()
+    (region,) = [r for r in fxsplit.compiled_regions() if r not in before]
+    keys = [k for k in region._compiled if not isinstance(k, str)]
+    assert len(keys) == 1 and region.accumulating_runs == 4
+    assert region._inner.get(keys[0]) is region._compiled[keys[0]].current_callable
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        microbatch()
+    calls = [e for e in prof.events() if e.name.startswith("## Call CompiledFxGraph")]
+    assert len(calls) == 3, [e.name for e in calls]  # forward, dI, accumulating dW
+
+
 def test_metadata_guard_passes_exactly_the_metadata_it_was_made_on_also_with_a_tensor_given_twice() -> None:
     """The C-level check the boundary guard and W keep: a tensor at two
     positions (a dI output that is also a live-in) must be the same object
