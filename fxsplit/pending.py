@@ -464,15 +464,21 @@ class _AccumulationCheck:
     change on the weight without replacing ``.grad`` (hooks, ``grad_dtype``)
     is read again every time."""
 
-    __slots__ = ("params", "grads", "positions", "storages", "dtypes")
+    __slots__ = ("params", "grads", "positions", "storages", "dtypes", "layout")
 
     def __init__(self, params: tuple[Any, ...], grads: tuple[Any, ...], positions: tuple[int, ...],
-                 storages: dict[int, int], dtypes: dict[int, torch.dtype]) -> None:
+                 storages: dict[int, int], dtypes: dict[int, torch.dtype], layout: Any = None) -> None:
         self.params = params
         self.grads = grads
         self.positions = positions
         self.storages = storages
         self.dtypes = dtypes
+        # Where every position is a weight with a .grad: a check that passes
+        # exactly weights and .grad tensors with the metadata of these
+        # (ti.metadata_guard), all accumulates_like_autograd reads of them but
+        # hooks, grad_dtype and storages, which are read again every W. A step's
+        # new .grad tensors (zero_grad(set_to_none=True)) then keep the decision.
+        self.layout = layout
 
 
 _ACCUMULATION_CHECKS: weakref.WeakKeyDictionary[Any, _AccumulationCheck] = weakref.WeakKeyDictionary()
@@ -488,10 +494,15 @@ def _accumulating_like_autograd(record: CompiledWeightWork, wanted: set[int], mu
     check = _ACCUMULATION_CHECKS.get(owner)
     if check is None or not _same(check, params):
         none = itertools.repeat(None)
-        grads = map(_grad_or_none if any(map(operator.is_, params, none)) else _grad_of, params)
+        grads = list(map(_grad_or_none if any(map(operator.is_, params, none)) else _grad_of, params))
         if all(map(operator.is_, grads, none)):
             return ()  # nothing to add into (the first microbatch of a step)
-        check = _decide(owner, params)
+        if check is not None and check.layout is not None and not any(map(operator.is_, grads, none)) and (
+            check.layout(*params, *grads)
+        ):  # other .grad tensors (a new step's) laid out as those decided on: the same decision
+            check = _renewed(owner, check, params, grads)
+        else:
+            check = _decide(owner, params)
     if not check.positions:
         return ()
     chosen = list(map(params.__getitem__, check.positions))
@@ -566,8 +577,22 @@ def _decide(owner: Any, params: Sequence[Any]) -> _AccumulationCheck:
         {k: params[k].grad.dtype for k in positions},
     )
     if all(g is not None for g, p in zip(check.grads, params) if p is not None):  # every .grad exists
+        if all(p is not None for p in params):
+            check.layout = ti.metadata_guard([*params, *(p.grad for p in params)])
         _ACCUMULATION_CHECKS[owner] = check
     return check
+
+
+def _renewed(owner: Any, check: _AccumulationCheck, params: Sequence[Any], grads: list[torch.Tensor]) -> _AccumulationCheck:
+    """``check``'s decision for ``params`` and their ``.grad`` tensors ``grads``,
+    which ``check.layout`` passed: kept for these tensors, with their storages."""
+    chosen = list(map(grads.__getitem__, check.positions))
+    ptrs = map(torch.Tensor.data_ptr, chosen) if not any(map(torch.Tensor.storage_offset, chosen)) else map(
+        ti.storage_ptr, chosen)  # (at offset 0 a data pointer is its storage's)
+    renewed = _AccumulationCheck(tuple(map(weakref.ref, params)), tuple(map(weakref.ref, grads)), check.positions,
+                                 dict(zip(check.positions, ptrs)), check.dtypes, check.layout)
+    _ACCUMULATION_CHECKS[owner] = renewed
+    return renewed
 
 
 class ParamGroup(Mapping[str, Any]):

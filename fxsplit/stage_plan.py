@@ -1,8 +1,10 @@
 """The plan of a stage's B: which compiled regions it splits, the eager split over the
 ordinary autograd nodes around them (the reverse-closure idea of
 ``torch.distributed.pipelining._backward``), and what it leaves to W. Every B is
-planned here, a stage of compiled regions only (:func:`compiled_only_plan`) as any
-other (:func:`plan_eager_weight_work`).
+planned here, by :func:`plan_stage`: a stage of compiled regions only is planned
+once (:func:`compiled_only_plan`) and its plan replayed on later microbatches
+behind a guard (:class:`StageShape`); any other stage is planned on every call
+(:func:`plan_eager_weight_work`), as its plan holds that microbatch's eager nodes.
 
 Terms used below, for one stage:
 

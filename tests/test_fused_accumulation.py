@@ -417,3 +417,47 @@ def test_inductor_accumulates_in_the_gemm() -> None:
     assert region.compiled_graphs.count("dW+accumulate") == 1
     assert "fused" not in region.compiled_graphs
     assert_same_grads(model, ref)
+
+
+def test_a_new_steps_grad_tensors_laid_out_as_before_keep_the_accumulation_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zero_grad(set_to_none=True) gives every step new ``.grad`` tensors. W
+    decides which weights accumulate in the graph once, and keeps the decision
+    for new ``.grad`` tensors with the same metadata (a guard on it), deciding
+    again where a ``.grad`` comes in another layout; the fused path is taken
+    throughout and every ``.grad`` (values, strides) is ordinary backward's."""
+    from fxsplit import pending
+
+    decided: list[int] = []
+    decide = pending._decide
+
+    def counting(owner: Any, params: Any) -> Any:
+        decided.append(1)
+        return decide(owner, params)
+
+    monkeypatch.setattr(pending, "_decide", counting)
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxsplit.backend(fallback="error"))
+    params = list(model.parameters())
+    for step in range(4):
+        for p, q in zip(params, ref.parameters()):
+            p.grad = q.grad = None
+        if step == 3:  # a .grad in another layout: decided again, accumulated as autograd would
+            params[0].grad = torch.zeros(params[0].shape[1], params[0].shape[0]).t()
+            list(ref.parameters())[0].grad = params[0].grad.clone().t().contiguous().t()
+        for mb in range(MICROBATCHES):
+            x, g = torch.randn(4, 6), torch.randn(4, 6)
+            xa = x.clone().requires_grad_()
+            _, work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
+            fxsplit.stage_backward_weight(params, work)
+            if mb or step == 3:
+                assert work.accumulated_in_graph, (step, mb)
+            ref(x).backward(g)
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+            assert p.grad.stride() == q.grad.stride()
+        if step < 3:
+            assert len(decided) == 1, f"step {step}: decided {len(decided)} times"
+    # step 3: once with only the transposed .grad present (the others empty), once with all present
+    assert len(decided) == 3
