@@ -175,7 +175,12 @@ def test_stage_shapes_finds_no_shape_off_b_fast_paths(capsys: pytest.CaptureFixt
     base = result["base"]["b_lines"]
     for shape in ("unused", "frozen", "first_stage"):
         assert result[shape]["b_lines"] <= 1.1 * base, (shape, result)
-    assert [result[s]["direct_b_runs"] for s in ("base", "unused", "frozen", "first_stage")] == [3, 3, 3, 0]
+    runs = stage_shapes.WARM_UP + 1  # every microbatch's B, the counted one included
+    assert [result[s]["direct_b_runs"] for s in ("base", "unused", "frozen", "first_stage")] == [runs] * 3 + [0]
+    for s in ("base", "unused", "frozen", "first_stage"):  # B + W against one ordinary backward, both counted
+        assert result[s]["ordinary_lines"] > 0
+        assert result[s]["b_plus_w_over_ordinary"] == round(
+            (result[s]["b_lines"] + result[s]["w_lines"]) / result[s]["ordinary_lines"], 3)
 
 
 def test_stage_shapes_refuses_an_unknown_shape(capsys: pytest.CaptureFixture[str]) -> None:
