@@ -451,6 +451,42 @@ def compiled_only_plan(
     leaves = {id(x) for x in inputs if x.grad_fn is None}
     input_nodes = {x.grad_fn for x in inputs if x.grad_fn is not None}
     given = {id(w) for w in weights}
+    walked = _walk_regions(output_edges, leaves, input_nodes, given)
+    if walked is None:
+        return None
+    below, region_params, region_children, entries, found = walked
+    if not below:
+        return None
+    wanted = {id(w) for w in weights if w.requires_grad}
+    distinct = len(given) == len(weights) and found == given
+    plan = EagerWeightPlan.compiled_only(
+        list(below), len(output_edges), region_params, region_children, distinct,
+        0 if found == given else len(wanted) - len(found),
+    )
+    if not inputs:  # a first stage: one region, whose outputs are the stage's
+        (node, *others) = below
+        if others or any(e.node is not node for e in output_edges):
+            return None
+        plan.bottom_regions = [node]
+        plan.captures = list(output_edges)
+        return plan
+    if not _every_region_reaches_an_input(below, input_nodes, leaves):
+        return None  # (that region's whole backward is W work)
+    if len(below) == 1:
+        (node,) = below
+        plan.direct_edges = _direct_edges(node, entries[node], inputs)
+    return plan
+
+
+def _walk_regions(
+    output_edges: Sequence[GradientEdge], leaves: set[int], input_nodes: set[Node], given: set[int]
+) -> tuple[dict[Node, list[Node]], dict[Node, list[Any]], dict[Node, list[Any]], dict[Node, dict[Any, int]], set[int]] | None:
+    """:func:`compiled_only_plan`'s walk from the outputs' nodes: per split region,
+    the regions and inputs right below it, the given parameter behind each edge,
+    each edge's node and where each input enters (by key: a leaf's ``id``, or
+    ``(id(node), output_nr)``; -1 where it enters by several edges), and the ids
+    of the weights found; ``None`` at the first node that is no split region, or
+    a leaf that is neither a stage input nor a given ``nn.Parameter``."""
     accumulate_grad = ti.accumulate_grad_type()
     below: dict[Node, list[Node]] = {}  # region -> the regions and inputs right below it
     found: set[int] = set()
@@ -484,37 +520,22 @@ def compiled_only_plan(
                 entries[node][key] = -1 if key in entries[node] else k
             if child is not None and param is None:
                 below[node].append(child)
-    if not below:
-        return None
-    wanted = {id(w) for w in weights if w.requires_grad}
-    distinct = len(given) == len(weights) and found == given
-    plan = EagerWeightPlan.compiled_only(
-        list(below), len(output_edges), region_params, region_children, distinct,
-        0 if found == given else len(wanted) - len(found),
-    )
-    if not inputs:  # a first stage: one region, whose outputs are the stage's
-        (node, *others) = below
-        if others or any(e.node is not node for e in output_edges):
-            return None
-        plan.bottom_regions = [node]
-        plan.captures = list(output_edges)
-        return plan
-    # Every region must lead to a stage input (else its whole backward is W work).
+    return below, region_params, region_children, entries, found
+
+
+def _every_region_reaches_an_input(below: dict[Node, list[Node]], input_nodes: set[Node], leaves: set[int]) -> bool:
+    """Whether every region leads to a stage input, by the nodes right below each."""
     reaches: set[Node] = set()
     grew = True
     while grew:  # a fixpoint: regions are few
         grew = False
         for node, nodes in below.items():
-            if node not in reaches and any(c in input_nodes or c in reaches or id(getattr(c, "variable", None)) in leaves
-                                           for c in nodes):
+            if node not in reaches and any(
+                c in input_nodes or c in reaches or id(getattr(c, "variable", None)) in leaves for c in nodes
+            ):
                 reaches.add(node)
                 grew = True
-    if len(reaches) != len(below):
-        return None
-    if len(below) == 1:
-        (node,) = below
-        plan.direct_edges = _direct_edges(node, entries[node], inputs)
-    return plan
+    return len(reaches) == len(below)
 
 
 def _direct_edges(node: Node, entries: dict[Any, int], xs: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
