@@ -670,12 +670,14 @@ def _tensor_guards_class() -> Any:
     return cls
 
 
-def items_picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
-    """A function returning ``tuple(seq[k] for k in positions)`` in one C-level call."""
+def items_getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function returning ``[seq[k] for k in positions]`` in one C-level call."""
+    if not positions:
+        return lambda seq: []
+    get = operator.itemgetter(*positions)
     if len(positions) == 1:
-        (k,) = positions
-        return lambda seq: (seq[k],)
-    return operator.itemgetter(*positions)
+        return lambda seq: [get(seq)]
+    return lambda seq: list(get(seq))
 
 
 def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
@@ -697,7 +699,7 @@ def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | Non
         inner = metadata_guard([tensors[k] for k in kept])
         if inner is None:
             return None
-        pick = items_picker(kept)
+        pick = items_getter(kept)
 
         def check_with_repeats(*ts: torch.Tensor) -> bool:
             return all(ts[j] is ts[k] for j, k in repeats) and inner(*pick(ts))

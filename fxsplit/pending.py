@@ -586,11 +586,9 @@ def _decide(owner: Any, params: Sequence[Any]) -> _AccumulationCheck:
 def _renewed(owner: Any, check: _AccumulationCheck, params: Sequence[Any], grads: list[torch.Tensor]) -> _AccumulationCheck:
     """``check``'s decision for ``params`` and their ``.grad`` tensors ``grads``,
     which ``check.layout`` passed: kept for these tensors, with their storages."""
-    chosen = list(map(grads.__getitem__, check.positions))
-    ptrs = map(torch.Tensor.data_ptr, chosen) if not any(map(torch.Tensor.storage_offset, chosen)) else map(
-        ti.storage_ptr, chosen)  # (at offset 0 a data pointer is its storage's)
+    storages = {k: ti.storage_ptr(grads[k]) for k in check.positions}  # (once per step: no need for speed)
     renewed = _AccumulationCheck(tuple(map(weakref.ref, params)), tuple(map(weakref.ref, grads)), check.positions,
-                                 dict(zip(check.positions, ptrs)), check.dtypes, check.layout)
+                                 storages, check.dtypes, check.layout)
     _ACCUMULATION_CHECKS[owner] = renewed
     return renewed
 

@@ -71,16 +71,6 @@ _CALL_ATTR = "_fxsplit_split_call"
 MAX_ACCUMULATING_LAYOUTS = 8
 
 
-def items_getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
-    """A function returning ``[seq[k] for k in positions]`` in one C-level call."""
-    if not positions:
-        return lambda seq: []
-    get = operator.itemgetter(*positions)
-    if len(positions) == 1:
-        return lambda seq: [get(seq)]
-    return lambda seq: list(get(seq))
-
-
 class DeferredGrad:
     """An input gradient a region's dI graph produced in B that B's autograd
     call had no use for: it flows into ``node`` (at ``input_nr``), which only
@@ -138,7 +128,7 @@ class InputCall:
         self._weights = weights
         self.region_params = region_params
         self.region_children = region_children
-        self.handover = frozenset(handover) if handover else self.keep
+        self.handover: frozenset[Any] = frozenset(handover)
         self.records: list[CompiledWeightWork] = []
         self.deferred: list[DeferredGrad] = []
         # Time inside the dI graphs this call ran ("b_graph_ns").
@@ -458,7 +448,7 @@ class CompiledSplitBackward:
             n + k for k, live in enumerate(split.live_ins) if live.source == "input" and live.kind == "tensor"
         )
         # The same live-ins, read off W's live-ins (dI's outputs after its own) in one call.
-        self.passthrough_live_ins = items_getter([i - n for i in self._passthrough])
+        self.passthrough_live_ins = ti.items_getter([i - n for i in self._passthrough])
         # The output gradients among dI's inputs (copied into a CUDA graph slot, not keying it).
         self._tangents = frozenset(ti.tangent_positions(split.di_graph))
         self.split = split
@@ -485,7 +475,7 @@ class CompiledSplitBackward:
         # The same positions read in one C-level call, where every weight
         # gradient has an edge (the common case; None otherwise).
         self._weight_edges_getter: Callable[[Sequence[Any]], Any] | None = (
-            items_getter(self._weight_edges) if None not in self._weight_edges else None
+            ti.items_getter(self._weight_edges) if None not in self._weight_edges else None
         )
         # Builds DTensor gradients from their pieces; read off the region's
         # autograd node by the first split backward (see _input_only).

@@ -65,7 +65,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from fxsplit import _torch_internals as ti
-from fxsplit.runtime import CompiledSplitBackward, items_getter
+from fxsplit.runtime import CompiledSplitBackward
 
 __all__ = [
     "MAX_PLANS_PER_REGION",
@@ -76,6 +76,7 @@ __all__ = [
     "gradient_edge",
     "plan_eager_weight_work",
     "plan_stage",
+    "prepare_regions",
     "runs_whole",
 ]
 
@@ -551,6 +552,7 @@ def _direct_edges(node: Node, entries: dict[Any, int], xs: Sequence[torch.Tensor
 
 
 _first = operator.itemgetter(0)
+items_getter = ti.items_getter
 _node_of = operator.attrgetter("node")
 _variable = operator.attrgetter("variable")
 _requires_grad = operator.attrgetter("requires_grad")
