@@ -437,15 +437,17 @@ def test_a_new_steps_grad_tensors_laid_out_as_before_keep_the_accumulation_decis
     monkeypatch.setattr(pending, "_decide", counting)
     torch.manual_seed(0)
     model = MLP()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=fxsplit.backend(fallback="error"))
+    ref, ordinary = copy.deepcopy(model), copy.deepcopy(model)  # uncompiled, and compiled by fxsplit
+    backend = fxsplit.backend(fallback="error")
+    compiled, ordinary_fn = torch.compile(model, backend=backend), torch.compile(ordinary, backend=backend)
     params = list(model.parameters())
     for step in range(4):
-        for p, q in zip(params, ref.parameters()):
-            p.grad = q.grad = None
+        for p, q, r in zip(params, ref.parameters(), ordinary.parameters()):
+            p.grad = q.grad = r.grad = None
         if step == 3:  # a .grad in another layout: decided again, accumulated as autograd would
-            params[0].grad = torch.zeros(params[0].shape[1], params[0].shape[0]).t()
-            list(ref.parameters())[0].grad = params[0].grad.clone().t().contiguous().t()
+            for m in (model, ref, ordinary):
+                first = next(iter(m.parameters()))
+                first.grad = torch.zeros(first.shape[1], first.shape[0]).t()
         for mb in range(MICROBATCHES):
             x, g = torch.randn(4, 6), torch.randn(4, 6)
             xa = x.clone().requires_grad_()
@@ -454,9 +456,11 @@ def test_a_new_steps_grad_tensors_laid_out_as_before_keep_the_accumulation_decis
             if mb or step == 3:
                 assert work.accumulated_in_graph, (step, mb)
             ref(x).backward(g)
-        for p, q in zip(params, ref.parameters()):
+            ordinary_fn(x).backward(g)
+        for p, q, r in zip(params, ref.parameters(), ordinary.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
-            assert p.grad.stride() == q.grad.stride()
+            torch.testing.assert_close(p.grad, r.grad)  # (accumulated in the GEMM: not bitwise)
+            assert p.grad.stride() == q.grad.stride() == r.grad.stride()
         if step < 3:
             assert len(decided) == 1, f"step {step}: decided {len(decided)} times"
     # step 3: once with only the transposed .grad present (the others empty), once with all present
