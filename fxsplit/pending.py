@@ -3,7 +3,11 @@
 :class:`PendingWeightGrads` holds exactly what W needs (compiled regions'
 live-ins, the gradients B saved at eager intermediates, the dI values B
 handed over, the output gradients of outputs whose backward is all weight
-work). :meth:`PendingWeightGrads.run` is W:
+work). :meth:`PendingWeightGrads.run` is W. What W does with each compiled
+gradient is planned by :func:`plan_commits` before any graph runs, from the
+two statements of autograd's rules, :func:`accumulates_like_autograd` and
+:func:`takes_gradient_like_autograd` (a :class:`CommitPlan`, kept per state
+of the weights for a stage B replays), and one executor runs any plan:
 
 1. **compute**: every compiled dW graph that does not accumulate into
    ``.grad`` runs on its live-ins. Pure: nothing a user can observe changes,
@@ -20,10 +24,10 @@ work). :meth:`PendingWeightGrads.run` is W:
    two, unknown: the exception says so, naming the weights, and W refuses to
    run again rather than add a gradient twice or not at all.
 1c. **into an empty ``.grad``**: where a weight's ``.grad`` is ``None`` and
-   nothing observes its accumulation (the same conditions as 1b, and
-   :func:`takes_gradient_like_autograd`), W sets ``.grad`` to the dW graph's
-   gradient itself, as ``AccumulateGrad`` does when it takes a gradient
-   nobody else holds: no engine call (``handed_over`` lists them).
+   nothing observes its accumulation (:func:`takes_gradient_like_autograd`),
+   W sets ``.grad`` to the dW graph's gradient itself, as ``AccumulateGrad``
+   does when it takes a gradient nobody else holds: no engine call
+   (``handed_over`` lists them).
 2. **commit**: :func:`commit_weight_grads`, the one place where W changes
    ``.grad`` through autograd. Each call is one autograd engine call, as
    ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
@@ -66,8 +70,8 @@ from fxsplit.stage_plan import EagerWeightPlan
 from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, registered
 
 __all__ = [
-    "EagerGroup", "PendingWeightGrads", "WeightCommit", "accumulates_like_autograd", "commit_weight_grads",
-    "takes_gradient_like_autograd",
+    "CommitPlan", "EagerGroup", "PendingWeightGrads", "WeightCommit", "accumulates_like_autograd",
+    "commit_weight_grads", "plan_commits", "takes_gradient_like_autograd",
 ]
 
 
@@ -307,19 +311,31 @@ def takes_gradient_like_autograd(
     contiguous); it casts to ``grad_dtype`` and runs the weight's hooks. So:
     no tensor or post-accumulate-grad hooks, a plain strided gradient of the
     weight's dtype, device and shape in the weight's layout, not requiring
-    grad, a plain weight, ``grad_dtype`` unset or equal, and a storage not in
-    ``avoid`` (the live-ins and other gradients of the same W: a tensor
-    someone else holds, which autograd would copy)."""
+    grad, not an autograd view, a plain weight, ``grad_dtype`` unset or
+    equal, and a storage not in ``avoid`` (the live-ins and other gradients
+    of the same W: a tensor someone else holds, which autograd would copy).
+
+    :func:`plan_commits` decides the weight's part before the gradient
+    exists (:func:`_takes_on_weight`), W the gradient's once it does
+    (:func:`_takes_as_is`)."""
+    return weight.grad is None and _takes_on_weight(weight) and _takes_as_is(weight, grad, ti.storage_ptr(grad), avoid)
+
+
+def _takes_on_weight(weight: torch.Tensor) -> bool:
+    """The part of :func:`takes_gradient_like_autograd` the weight decides
+    alone: a plain weight, no hooks, ``grad_dtype`` unset or the weight's
+    dtype (which the gradient must have)."""
     return (
-        weight.grad is None
-        and _in_weight_layout(weight, grad)
-        and _taken_unobserved(weight, grad, ti.storage_ptr(grad), avoid)
+        type(weight) in (torch.nn.Parameter, torch.Tensor)
+        and not weight._backward_hooks
+        and not getattr(weight, "_post_accumulate_grad_hooks", None)
+        and getattr(weight, "grad_dtype", None) in (None, weight.dtype)
     )
 
 
 def _in_weight_layout(weight: torch.Tensor, grad: Any) -> bool:
     """The part of :func:`takes_gradient_like_autograd` that is metadata of
-    the two tensors only (what :func:`_direct_takes` guards at once)."""
+    the two tensors only (what :func:`_guarded` checks at once)."""
     return (
         type(grad) is torch.Tensor
         and type(weight) in (torch.nn.Parameter, torch.Tensor)
@@ -332,18 +348,11 @@ def _in_weight_layout(weight: torch.Tensor, grad: Any) -> bool:
     )
 
 
-def _taken_unobserved(weight: torch.Tensor, grad: torch.Tensor, ptr: int, avoid: set[int]) -> bool:
-    """The rest of :func:`takes_gradient_like_autograd`: what can change
-    without any tensor's metadata changing (hooks, ``grad_dtype``, who else
-    holds the gradient, whose storage is at ``ptr``). :func:`_all_taken`
-    reads the same conditions over a whole region at once: keep the two in step."""
-    return (
-        not weight._backward_hooks
-        and not getattr(weight, "_post_accumulate_grad_hooks", None)
-        and getattr(weight, "grad_dtype", None) in (None, grad.dtype)
-        and grad._base is None  # an autograd view: its base is held too (autograd would copy it)
-        and ptr not in avoid
-    )
+def _takes_as_is(weight: torch.Tensor, grad: Any, ptr: int | None, avoid: Any) -> bool:
+    """The part of :func:`takes_gradient_like_autograd` the gradient decides
+    (``ptr``: its storage): the weight's layout, not an autograd view (its
+    base is held too: autograd would copy it), a storage nobody else holds."""
+    return _in_weight_layout(weight, grad) and grad._base is None and ptr not in avoid
 
 
 # Per region (its runtime, weakly): a guard that passes exactly the weights
@@ -352,38 +361,55 @@ def _taken_unobserved(weight: torch.Tensor, grad: torch.Tensor, ptr: int, avoid:
 # a dW graph returns the same layouts every call). Whether a gradient has its
 # weight's layout (_in_weight_layout) is a function of that metadata only, so
 # the guard needs not know which weights it was made on.
-_DIRECT_GUARDS: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
-
-
-def _direct_takes(
-    owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor], ptrs: list[int], avoid: set[int]
-) -> list[bool]:
-    """:func:`takes_gradient_like_autograd` for each pair (``.grad`` known to
-    be ``None``; ``ptrs``: the gradients' storages), the metadata part decided
-    once per region and set of weights, then guarded
-    (:func:`fxsplit._torch_internals.metadata_guard`)."""
-    if _guarded(owner, weights, grads):
-        return [_taken_unobserved(w, g, ptr, avoid) for w, g, ptr in zip(weights, grads, ptrs)]
-    laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
-    if weights and all(laid_out):
-        _remember_layout(owner, weights, grads)
-    return [ok and _taken_unobserved(w, g, ptr, avoid) for ok, w, g, ptr in zip(laid_out, weights, grads, ptrs)]
+_LAYOUT_GUARDS: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
 
 
 def _guarded(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    """Whether the guard :func:`_remember_layout` kept for ``owner`` passes
-    ``weights`` and ``grads``: then every pair is in its weight's layout
-    (:func:`_in_weight_layout`)."""
-    cached = _DIRECT_GUARDS.get(owner)
+    """Whether the guard kept for ``owner`` passes ``weights`` and ``grads``:
+    then every pair is in its weight's layout (:func:`_in_weight_layout`)."""
+    cached = _LAYOUT_GUARDS.get(owner)
     return cached is not None and cached[0] == len(weights) and cached[1](*weights, *grads)
 
 
-def _remember_layout(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """Keep a guard for ``owner`` that passes exactly weights and gradients
-    with the metadata these have now (all in their weight's layout)."""
-    guard = ti.metadata_guard([*weights, *grads])
-    if guard is not None:
-        _DIRECT_GUARDS[owner] = (len(weights), guard)
+def _taken(owner: Any, weights: list[torch.Tensor], grads: list[Any], ptrs: list[int | None], avoid: Any) -> list[bool]:
+    """:func:`_takes_as_is` for each pair, the layout decided once per region
+    and set of weights, then guarded (:func:`fxsplit._torch_internals.metadata_guard`)."""
+    if _guarded(owner, weights, grads):
+        return [g._base is None and p not in avoid for g, p in zip(grads, ptrs)]
+    laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
+    if weights and all(laid_out):
+        guard = ti.metadata_guard([*weights, *grads])
+        if guard is not None:
+            _LAYOUT_GUARDS[owner] = (len(weights), guard)
+    return [ok and g._base is None and p not in avoid for ok, g, p in zip(laid_out, grads, ptrs)]
+
+
+def _all_taken(record: CompiledWeightWork, weights: list[torch.Tensor], grads: list[Any], ptrs: list[int | None]) -> bool:
+    """:func:`_takes_as_is` for every pair, decided at once (C-level passes):
+    the layout guard, no gradient a view, every storage plain and nobody else's."""
+    none = itertools.repeat(None)
+    return _guarded(record.owner, weights, grads) and all(map(operator.is_, map(_base_of, grads), none)) and (
+        None not in ptrs and record.holds_none_of(set(ptrs)))
+
+
+def _storages(grads: list[Any]) -> list[int | None]:
+    """Each plain gradient's storage (data pointer), ``None`` for any other
+    value (a DTensor's local storage is not its own to compare); read in bulk
+    where every gradient starts its storage."""
+    if ti.all_plain(grads) and not any(map(torch.Tensor.storage_offset, grads)):
+        return list(map(torch.Tensor.data_ptr, grads))
+    return [ti.storage_ptr(g) if type(g) is torch.Tensor else None for g in grads]
+
+
+def _repeated(ptrs: list[int | None]) -> set[int | None]:
+    """The storages more than one gradient has (someone else's too, for each)."""
+    if len(set(ptrs)) == len(ptrs):
+        return set()
+    seen: set[int | None] = set()
+    twice: set[int | None] = set()
+    for p in ptrs:
+        (twice if p in seen else seen).add(p)
+    return twice
 
 
 # Readers for C-level iteration over weights, gradients and (weight, ..., gradient) tuples.
@@ -393,204 +419,106 @@ _third = operator.itemgetter(2)
 _requires_grad = operator.attrgetter("requires_grad")
 _grad_of = ti.grad_of
 _base_of = operator.attrgetter("_base")
-_dtype_of = operator.attrgetter("dtype")
 _tensor_hooks_of = operator.attrgetter("_backward_hooks")
 _post_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
 _grad_dtype_of = operator.attrgetter("grad_dtype")
-_deref = ti.deref
-
-
-def _wanted_and_empty(weights: Sequence[torch.Tensor]) -> bool:
-    """Every weight requires a gradient and has no ``.grad`` (C-level passes)."""
-    return all(map(_requires_grad, weights)) and all(map(operator.is_, map(_grad_of, weights), itertools.repeat(None)))
-
-
-def _grad_or_none(p: torch.Tensor | None) -> torch.Tensor | None:
-    return None if p is None else p.grad
-
 
 # Every torch fxsplit supports has both on every tensor (None when unset);
-# where one lacks them, the per-weight path below decides instead.
-_BULK_ATTRIBUTES = all(hasattr(torch.Tensor, a) for a in ("_post_accumulate_grad_hooks", "grad_dtype"))
+# where one lacks them, W plans on every call instead of keeping plans.
+_GUARDABLE = all(hasattr(torch.Tensor, a) for a in ("_post_accumulate_grad_hooks", "grad_dtype"))
 
 
-def _all_taken(
-    record: CompiledWeightWork,
-    weights: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    distinct: bool = False,
-    empty: bool = False,
-) -> bool:
-    """Whether :func:`takes_gradient_like_autograd` holds for every pair, all
-    weights distinct, decided over the lists at once (C-level iteration, no
-    per-weight Python): the guard where graphs meet (:func:`_guarded`), every
-    ``.grad`` empty, no hooks, ``grad_dtype`` each gradient's dtype, no
-    gradient a view, and each gradient alone at the start of its own storage,
-    none of them held elsewhere (``record.holds_none_of``, asked last).
-    ``distinct``: the caller knows the weights are distinct tensors;
-    ``empty``: it knows every weight's ``.grad`` is ``None``.
-    ``False`` says only that the per-weight check must decide (it is
-    stricter than that check where a gradient sits at an offset in its
-    storage or ``grad_dtype`` is unset)."""
-    n = len(weights)
-    if not n or not _BULK_ATTRIBUTES or not _guarded(record.owner, weights, grads):
-        return False
-    if not distinct and len(set(map(id, weights))) != n:
-        return False
-    if not empty and not all(map(operator.is_, map(_grad_of, weights), itertools.repeat(None, n))):
-        return False
-    if any(map(_tensor_hooks_of, weights)) or any(map(_post_hooks_of, weights)):
-        return False
-    if not all(map(operator.is_, map(_grad_dtype_of, weights), map(_dtype_of, grads))):
-        return False
-    if not all(map(operator.is_, map(_base_of, grads), itertools.repeat(None, n))):
-        return False
-    # At offset 0 a data pointer is its storage's (ti.storage_ptr): n distinct
-    # pointers are n storages.
-    if any(map(torch.Tensor.storage_offset, grads)):
-        return False
-    ptrs = set(map(torch.Tensor.data_ptr, grads))
-    return len(ptrs) == n and record.holds_none_of(ptrs)
+def _allowed(owner: Any, switch: bool | None, default: bool) -> bool:
+    """Whether W may commit a region's gradients itself (in its dW graph, or
+    into an empty ``.grad``) rather than through autograd's engine: never
+    where ``stage_backward_weight`` was told not to (``switch``), else as the
+    region's own option says, else ``default`` (``fxsplit.config``)."""
+    return switch is not False and (owner.fused_accumulation if owner.fused_accumulation is not None else default)
 
 
-class _AccumulationCheck:
-    """The outcome of :func:`accumulates_like_autograd` for one region's
-    weights, kept for the weights and ``.grad`` tensors it was decided on
-    (weakly), with each ``.grad``'s storage and dtype.
+@dataclasses.dataclass(frozen=True, eq=False)
+class CommitPlan:
+    """What W does with each compiled gradient of the weights it commits,
+    decided by :func:`plan_commits` before any graph runs.
 
-    What the check reads of a ``.grad`` tensor (its dtype, device, shape,
-    layout, density, type, whether it requires grad) stays as long as it is
-    the same tensor, so W decides once per set of ``.grad`` tensors; what can
-    change on the weight without replacing ``.grad`` (hooks, ``grad_dtype``)
-    is read again every time."""
+    ``accumulate``: per record (index among the compiled regions' W work), the
+    positions in its ``params`` whose gradient its dW graph adds into
+    ``.grad`` in place (:func:`accumulates_like_autograd`; W leaves to the
+    engine a ``.grad`` that shares storage with that record's live-ins, which
+    the graph reads). ``take``: the weights (by ``id``) whose empty ``.grad``
+    W sets to their gradient, where the gradient turns out as
+    :func:`takes_gradient_like_autograd` asks (else the engine takes it).
+    ``take_every``: the records all of whose wanted weights are in ``take``
+    (W decides their gradients at once). Every other gradient, and every
+    eager group's work, goes to autograd's engine (:func:`commit_weight_grads`).
+    ``compute``: the records with a gradient W commits. ``wanted``: the
+    weights W commits (requiring a gradient, not committed yet), by ``id``;
+    ``select``: the same for the regions' ``compute``, ``None`` where that is
+    all their weights; ``position``: each weight's (first) position in W's weights.
+    """
 
-    __slots__ = ("params", "grads", "positions", "storages", "dtypes", "layout")
-
-    def __init__(self, params: tuple[Any, ...], grads: tuple[Any, ...], positions: tuple[int, ...],
-                 storages: dict[int, int], dtypes: dict[int, torch.dtype], layout: Any = None) -> None:
-        self.params = params
-        self.grads = grads
-        self.positions = positions
-        self.storages = storages
-        self.dtypes = dtypes
-        # Where every position is a weight with a .grad: a check that passes
-        # exactly weights and .grad tensors with the metadata of these
-        # (ti.metadata_guard), all accumulates_like_autograd reads of them but
-        # hooks, grad_dtype and storages, which are read again every W. A step's
-        # new .grad tensors (zero_grad(set_to_none=True)) then keep the decision.
-        self.layout = layout
-
-
-_ACCUMULATION_CHECKS: weakref.WeakKeyDictionary[Any, _AccumulationCheck] = weakref.WeakKeyDictionary()
-
-
-def _accumulating_like_autograd(record: CompiledWeightWork, wanted: set[int], multi: set[int]) -> tuple[int, ...]:
-    """Positions (in ``record.params``) of the wanted weights, with a gradient
-    from this record only, whose ``.grad`` W may add into in place inside the
-    dW graph (:func:`accumulates_like_autograd`, and a ``.grad`` that shares
-    no storage with the record's live-ins, which that graph reads)."""
-    params = record.params
-    owner = record.owner
-    check = _ACCUMULATION_CHECKS.get(owner)
-    if check is None or not _same(check, params):
-        none = itertools.repeat(None)
-        grads = list(map(_grad_or_none if any(map(operator.is_, params, none)) else _grad_of, params))
-        if all(map(operator.is_, grads, none)):
-            return ()  # nothing to add into (the first microbatch of a step)
-        if check is not None and check.layout is not None and not any(map(operator.is_, grads, none)) and (
-            check.layout(*params, *grads)
-        ):  # other .grad tensors (a new step's) laid out as those decided on: the same decision
-            check = _renewed(owner, check, params, grads)
-        else:
-            check = _decide(owner, params)
-    if not check.positions:
-        return ()
-    chosen = list(map(params.__getitem__, check.positions))
-    ids = list(map(id, chosen))
-    if (
-        _BULK_ATTRIBUTES
-        and wanted.issuperset(ids)
-        and multi.isdisjoint(ids)
-        and not any(map(_tensor_hooks_of, chosen))
-        and not any(map(_post_hooks_of, chosen))
-        and all(map(operator.is_, map(_grad_dtype_of, chosen), map(check.dtypes.__getitem__, check.positions)))
-    ):  # every weight the check allows: wanted, single-sourced, unhooked, grad_dtype its .grad's dtype
-        live = record.live_in_storages()
-        if live.isdisjoint(check.storages.values()):
-            return check.positions
-        return tuple(k for k in check.positions if check.storages[k] not in live)
-    positions = []
-    for k in check.positions:
-        p = params[k]
-        if (
-            id(p) in wanted
-            and id(p) not in multi
-            and not p._backward_hooks
-            and not getattr(p, "_post_accumulate_grad_hooks", None)
-            and getattr(p, "grad_dtype", None) in (None, check.dtypes[k])
-        ):
-            positions.append(k)
-    if positions:
-        live = record.live_in_storages()
-        positions = [k for k in positions if check.storages[k] not in live]
-    return tuple(positions)
+    accumulate: Mapping[int, tuple[int, ...]]
+    take: frozenset[int]
+    take_every: frozenset[int]
+    compute: tuple[int, ...]
+    wanted: frozenset[int]
+    select: frozenset[int] | None
+    position: Mapping[int, int]
+    # Per record of ``accumulate``: its dW output positions and accumulating
+    # variant (``CompiledSplitBackward.accumulating_key``), filled on first use.
+    variants: dict[int, tuple[tuple[int, ...], Any]] = dataclasses.field(default_factory=dict)
 
 
-def _same(check: _AccumulationCheck, params: Sequence[Any]) -> bool:
-    """Whether ``params`` and their ``.grad`` tensors are those ``check`` decided on."""
-    if len(check.params) != len(params):
-        return False
-    none = itertools.repeat(None)
-    if not any(map(operator.is_, check.params, none)) and not any(map(operator.is_, params, none)):
-        # Every position a weight (the common case), decided in C-level passes: the
-        # weights alive and the same, each .grad present (a dead reference reads None)
-        # and the same.
-        grads = list(map(_grad_of, params))
-        return (
-            not any(map(operator.is_, grads, none))
-            and not any(map(operator.is_, check.grads, none))
-            and all(map(operator.is_, map(_deref, check.params), params))
-            and all(map(operator.is_, map(_deref, check.grads), grads))
-        )
-    for r, g, p in zip(check.params, check.grads, params):
-        if p is None:
-            if r is not None:
-                return False
-        else:
-            grad = p.grad
-            if r is None or g is None or grad is None or r() is not p or g() is not grad:
-                return False
-    return True
+def plan_commits(
+    compiled: Sequence[CompiledWeightWork],
+    groups: Sequence[EagerGroup],
+    weights: Sequence[torch.Tensor],
+    committed: set[int],
+    switch: bool | None,
+    default: bool,
+) -> CommitPlan:
+    """W's :class:`CommitPlan` for the regions' W work ``compiled``, the eager
+    groups ``groups`` and B's ``weights``, of which those in ``committed``
+    (by ``id``) are done. Pure: reads the weights and their ``.grad``, changes
+    nothing. ``switch`` and ``default``: see :func:`_allowed`.
+
+    A weight W may commit itself has its gradient from one record only (no
+    other region or eager group adds to it: the engine sums those), and
+    passes :func:`accumulates_like_autograd` (``.grad`` set) or the weight's
+    part of :func:`takes_gradient_like_autograd` (``.grad`` empty)."""
+    wanted = frozenset(id(w) for w in weights if w.requires_grad) - committed
+    sources = collections.Counter(id(p) for r in compiled for p in r.params if p is not None)
+    sources.update(id(w) for g in groups for w in g.weights)
+    accumulate: dict[int, tuple[int, ...]] = {}
+    take: set[int] = set()
+    mine = [[p for p in r.params if p is not None and id(p) in wanted] for r in compiled]
+    for i, record in enumerate(compiled):
+        if not mine[i] or not _allowed(record.owner, switch, default):
+            continue
+        dtypes = record.owner.weight_grad_dtypes
+        positions = []
+        for k, p in enumerate(record.params):
+            if p is None or id(p) not in wanted or sources[id(p)] > 1:
+                continue
+            if p.grad is None:
+                if _takes_on_weight(p):
+                    take.add(id(p))
+            elif accumulates_like_autograd(p, dtypes[k] if k < len(dtypes) else None):
+                positions.append(k)
+        if positions:
+            accumulate[i] = tuple(positions)
+    every = all(id(p) in wanted for r in compiled for p in r.params if p is not None)
+    take_every = frozenset(i for i, ws in enumerate(mine) if ws and take.issuperset(map(id, ws)))
+    position: dict[int, int] = {}
+    for k, w in enumerate(weights):
+        position.setdefault(id(w), k)
+    return CommitPlan(accumulate, frozenset(take), take_every, tuple(i for i, ws in enumerate(mine) if ws), wanted,
+                      None if every else wanted, position)
 
 
-def _decide(owner: Any, params: Sequence[Any]) -> _AccumulationCheck:
-    dtypes = owner.weight_grad_dtypes
-    positions = tuple(
-        k for k, p in enumerate(params)
-        if p is not None and accumulates_like_autograd(p, dtypes[k] if k < len(dtypes) else None)
-    )
-    check = _AccumulationCheck(
-        tuple(None if p is None else weakref.ref(p) for p in params),
-        tuple(None if p is None or p.grad is None else weakref.ref(p.grad) for p in params),
-        positions,
-        {k: ti.storage_ptr(params[k].grad) for k in positions},
-        {k: params[k].grad.dtype for k in positions},
-    )
-    if all(g is not None for g, p in zip(check.grads, params) if p is not None):  # every .grad exists
-        if all(p is not None for p in params):
-            check.layout = ti.metadata_guard([*params, *(p.grad for p in params)])
-        _ACCUMULATION_CHECKS[owner] = check
-    return check
-
-
-def _renewed(owner: Any, check: _AccumulationCheck, params: Sequence[Any], grads: list[torch.Tensor]) -> _AccumulationCheck:
-    """``check``'s decision for ``params`` and their ``.grad`` tensors ``grads``,
-    which ``check.layout`` passed: kept for these tensors, with their storages."""
-    storages = {k: ti.storage_ptr(grads[k]) for k in check.positions}  # (once per step: no need for speed)
-    renewed = _AccumulationCheck(tuple(map(weakref.ref, params)), tuple(map(weakref.ref, grads)), check.positions,
-                                 storages, check.dtypes, check.layout)
-    _ACCUMULATION_CHECKS[owner] = renewed
-    return renewed
+MAX_COMMIT_PLANS = 8
+"""Commit plans kept per stage shape (each ``.grad``/hook state a stage's
+weights come in: a step's first microbatch, later ones, a hooked weight)."""
 
 
 class ParamGroup(Mapping[str, Any]):
@@ -674,10 +602,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     """
 
     # Defaults, replaced (never mutated) where an instance differs:
-    # W's one-pass cases (see __init__).
-    _single: CompiledWeightWork | None = None
-    _many: list[CompiledWeightWork] | None = None
-    _order: tuple[int, ...] | None = None
+    # The stage's kept commit plans (see _commit_plan; None: plan every W).
+    _kept: list[tuple[Any, Any, CommitPlan]] | None = None
     # Regions B ran dI for: W's eager calls may pass through them and must
     # not run them again. Weak: W only needs the ones its graph still holds.
     _split_regions: Sequence[Any] = ()
@@ -700,39 +626,13 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         split_regions: Sequence[Any] = (),
         unreached: int = 0,
         rerun: Sequence[Node] = (),
-        weights_distinct: bool = False,
+        kept: list[tuple[Any, Any, CommitPlan]] | None = None,
     ) -> None:
         self._weights = tuple(weights)
         self.compiled = compiled
         self.groups = groups
-        # The common case, which W decides without its general steps
-        # (_compute_one): one compiled region and no eager code, the region's
-        # weights B's (all of them, or all but some no region reaches: an
-        # unused parameter), all distinct (``weights_distinct``: B's plan
-        # found them so; else counted here), in B's order or another: the
-        # region's order is the forward's order of use (Dynamo's), which a
-        # model's parameters() need not follow (Hugging Face decoder layers
-        # register their norms after the blocks that use them). ``_order``:
-        # the position in ``weights`` of each of the region's weights, where
-        # the orders differ or some of B's are not the region's (``None``
-        # where they are the same list).
-        # Several regions (graph breaks), each weight in one region only, are
-        # decided likewise, region by region (``_many``; ``_order``: the
-        # regions' weights, one after the other).
-        n = len(self._weights)
-        if compiled and not groups and (weights_distinct or len(set(map(id, self._weights))) == n):
-            theirs = compiled[0].params if len(compiled) == 1 else [p for r in compiled for p in r.params]
-            order: tuple[int | None, ...] | None = None
-            if len(theirs) != n or not all(map(operator.is_, theirs, self._weights)):
-                position = dict(zip(map(id, self._weights), itertools.count()))
-                order = tuple(map(position.get, map(id, theirs)))
-            # B's weights, or some of them, in any order, none in two regions (or missing: None)
-            if order is None or (None not in order and len(set(order)) == len(order)):
-                if len(compiled) == 1:
-                    self._single = compiled[0]
-                else:
-                    self._many = list(compiled)
-                self._order = order  # type: ignore[assignment]
+        if kept is not None:
+            self._kept = kept
         if groups:
             self._split_regions = [weakref.ref(n) for n in split_regions]
         if rerun:
@@ -766,8 +666,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     ) -> PendingWeightGrads:
         """Assemble B's results. Hand-over values that no given weight needs are dropped here."""
         if not plan.groups:  # no eager W work (a stage of compiled regions only): nothing handed over is needed
-            return cls(weights, records, [], plan.split_regions, plan.unreached, plan.rerun,
-                       weights_distinct=plan.weights_distinct)
+            return cls(weights, records, [], plan.split_regions, plan.unreached, plan.rerun, plan.commit_plans)
         region_index = {n: k for k, n in enumerate(plan.region_starts)}
         handed: dict[int, list[tuple[GradientEdge, torch.Tensor]]] = {}
         for d in deferred:
@@ -793,8 +692,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     edge_kinds=kinds,
                 )
             )
-        return cls(weights, records, groups, plan.split_regions, plan.unreached, list(plan.rerun),
-                   weights_distinct=plan.weights_distinct)
+        return cls(weights, records, groups, plan.split_regions, plan.unreached, list(plan.rerun), plan.commit_plans)
 
     def anchor(self, anchors: Iterable[Any]) -> None:
         """Keep these objects (``_torch_internals.graph_anchor``: what keeps the
@@ -990,10 +888,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         return f"{done}; the rest is still pending: pass the same param_groups to stage_backward_weight again to finish it"
 
     def _settle_interrupted(self, fused: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                            ledger: ti.AccumulationLedger) -> None:
+                            ledger: ti.AccumulationLedger, position: Mapping[int, int]) -> None:
         """After an accumulating dW graph raised: each of its weights is
         committed (its write ran), still pending (untouched) or unknown."""
-        position = {id(w): k for k, w in enumerate(self._weights)}
         written = []
         for p, g in zip(fused, grads):
             state = ledger.state(g)
@@ -1006,55 +903,49 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # What a completed accumulating graph's caller does (CompiledWeightWork.accumulate).
         torch.autograd.graph.increment_version(written)
 
-    def _fusable(self, wanted: set[int], switch: bool | None) -> dict[int, tuple[int, ...]]:
-        """For each compiled record (by index), the weights (positions in its
-        ``params``) whose gradient W may add into ``.grad`` inside the dW graph: where the
-        region allows it, the weight's gradient comes from that record only,
-        and accumulating in place cannot differ from autograd's accumulation
-        (:func:`accumulates_like_autograd`)."""
-        if switch is False or not self.compiled:
-            return {}
-        multi = self._multi_source()
-        result: dict[int, tuple[int, ...]] = {}
-        for i, record in enumerate(self.compiled):
-            if self._fusion_allowed(record, switch):
-                positions = _accumulating_like_autograd(record, wanted, multi)
-                if positions:
-                    result[i] = positions
-        return result
+    def _commit_plan(self, switch: bool | None) -> CommitPlan:
+        """This W's :class:`CommitPlan`: one the stage kept whose guard passes,
+        else a new one from :func:`plan_commits` (kept where the stage keeps
+        plans: B replayed or made its :class:`~fxsplit.stage_plan.StageShape`).
 
-    @staticmethod
-    def _fusion_allowed(record: CompiledWeightWork, switch: bool | None) -> bool:
-        """Whether W may commit ``record``'s gradients itself (in the graph, or
-        into an empty ``.grad``) rather than through autograd's engine."""
-        if switch is False:
-            return False
-        allowed = record.owner.fused_accumulation
-        if allowed is False:
-            return False
-        # config.current validates the option; the default itself needs no check.
-        if allowed is True or switch is True or config.fused_accumulation is True:
-            return True
-        return config.current("fused_accumulation")
-
-    def _multi_source(self) -> set[int]:
-        """The weights (by id) whose gradient comes from more than one record or eager group."""
-        if len(self.compiled) + len(self.groups) < 2:
-            return set()
-        seen: set[int] = set()
-        multi: set[int] = set()
-        for ws in [r.weights for r in self.compiled] + [g.weights for g in self.groups]:
-            for w in ws:
-                (multi if id(w) in seen else seen).add(id(w))
-        return multi
+        The guard: the same ``switch`` and configured default; the same
+        weights (B's plan guarantees them) with the same metadata
+        (``requires_grad`` and dtype included), the same of them with a
+        ``.grad``, each ``.grad`` with the same metadata (dtype, device, shape,
+        strides, type), the same of them with tensor hooks and with
+        post-accumulate-grad hooks, the same ``grad_dtype``. That is all
+        :func:`plan_commits` reads of a stage whose regions and eager groups
+        B's plan fixed; what depends on this microbatch's tensors (live-in
+        and gradient storages, the gradients' layouts) W checks when it runs.
+        A plan is not kept after an interrupted W (it depends on what was
+        committed)."""
+        default = True if config.fused_accumulation is True else config.current("fused_accumulation")
+        kept, weights = self._kept, self._weights
+        if kept is None or self._committed or not _GUARDABLE:
+            return plan_commits(self.compiled, self.groups, weights, self._committed, switch, default)
+        grads = list(map(_grad_of, weights))
+        present = tuple(map(operator.is_not, grads, itertools.repeat(None)))
+        key = (switch, default, present, tuple(map(bool, map(_tensor_hooks_of, weights))),
+               tuple(map(bool, map(_post_hooks_of, weights))), tuple(map(_grad_dtype_of, weights)))
+        tensors = [*weights, *itertools.compress(grads, present)]
+        for k, guard, plan in kept:
+            if k == key and guard(*tensors):
+                return plan
+        plan = plan_commits(self.compiled, self.groups, weights, self._committed, switch, default)
+        guard = ti.metadata_guard(tensors)
+        if guard is not None:
+            if len(kept) >= MAX_COMMIT_PLANS:
+                del kept[0]
+            kept.append((key, guard, plan))
+        return plan
 
     def _compute_and_commit(self, fused_accumulation: bool | None = None) -> None:
+        plan = self._commit_plan(fused_accumulation)
         # The commits are built in their own frame: once it returns, the
         # commits hold the only references to W's gradients (see _HandOver).
-        one = self._compute_one(fused_accumulation)
-        commits, direct = one if one is not None else self._compute(fused_accumulation)
-        if direct:
-            self._take(direct)
+        commits, (weights, grads) = self._compute(plan)
+        if weights:
+            self._take(weights, grads, plan.position)
         if not commits:
             return
         blocked = [n for n in (r() for r in self._split_regions) if n is not None]
@@ -1066,131 +957,109 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         finally:
             self.timings["w_commit_ns"] += time.perf_counter_ns() - t0
 
-    def _take(self, direct: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Commit each ``(weight, gradient)`` by ``weight.grad = gradient``. What
-        happened is read off ``.grad`` afterwards, also after an interruption,
-        so every weight is either committed (and recorded so) or untouched."""
-        weights = list(map(_first, direct))
-        grads = list(map(_second, direct))
-        direct.clear()
-        try:
-            collections.deque(map(setattr, weights, itertools.repeat("grad"), grads), maxlen=0)
-        finally:
-            mine = self._weights
-            # The order W computed them in: the single region's (see _order), else B's.
-            order = self._order if self._order is not None else range(len(mine))
-            if len(weights) == len(order) and all(map(operator.is_, weights, map(mine.__getitem__, order))) and all(
-                map(operator.is_, map(_grad_of, weights), grads)
-            ):  # all of them, in that order (the common case)
-                self._committed.update(map(id, weights))
-                self.handed_over.extend(order)
-            else:
-                position = {id(w): k for k, w in enumerate(mine)}
-                for weight, grad in zip(weights, grads):
-                    if weight.grad is grad:
-                        self._committed.add(id(weight))
-                        self.handed_over.append(position[id(weight)])
-
-    def _compute_one(
-        self, fused_accumulation: bool | None
-    ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
-        """What :meth:`_compute` returns, in the common case, without its
-        general steps: one region whose weights are B's, in any order, but for
-        any that no region reaches (``_single``: unused, or frozen), or several
-        regions none of whose weights is another's (``_many``),
-        nothing committed yet, every weight of the region requiring a gradient and its
-        ``.grad`` empty (so nothing accumulates inside the graph, step 0): run
-        the dW graph and decide every commit in one pass (:meth:`_direct_one`,
-        which returns ``None`` only for a weight given twice, which
-        ``_single`` excludes). ``None`` where the case does not hold, before
-        anything has run."""
-        record = self._single
-        if record is not None:
-            # The region's weights (B's others, unreached or frozen, W leaves as they are).
-            if self._committed or not _wanted_and_empty(record.params):
-                return None
-            return self._direct_one(record, record.compute(None, self.timings), fused_accumulation, empty=True)
-        records = self._many
-        if records is None or self._committed or not all(_wanted_and_empty(r.params) for r in records):
-            return None
-        # Every region's dW graph first (pure: an exception here changes nothing), then the decisions.
-        # (a region with no weight, such as a loss after a graph break, has no dW graph to run)
-        computed = [(r, r.compute(None, self.timings)) for r in records if r.params]
-        commits: list[WeightCommit] = []
-        direct: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for r, triples in computed:
-            one = self._direct_one(r, triples, fused_accumulation, empty=True, distinct=True)
-            if one is None:
-                return None  # (the general steps compute again: compute is pure)
-            commits.extend(one[0])
-            direct.extend(one[1])
-        # A storage that gradients of two regions share would be someone else's too
-        # (autograd would copy it): the general steps decide that.
-        if len(ti.storage_ptrs(list(map(_second, direct)))) != len(direct):  # (plain tensors only, all of them)
-            return None
-        return commits, direct
-
     def _compute(
-        self, fused_accumulation: bool | None
-    ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Steps 0-2 of W (module docstring): the in-graph accumulation, and
-        the commits that remain: through autograd's engine, and ``(weight,
-        gradient)`` pairs an empty ``.grad`` takes as they are
-        (:func:`takes_gradient_like_autograd`)."""
-        wanted = set(map(id, filter(_requires_grad, self._weights)))
-        if self._committed:
-            wanted -= self._committed
-        # 0. the dW graphs that accumulate into .grad, compiled on first use:
-        # a compile error here changes nothing.
-        accumulating: dict[int, tuple[ti.BoxedCallable, tuple[int, ...]]] = {}
-        for i, positions in self._fusable(wanted, fused_accumulation).items():
-            record = self.compiled[i]
-            graph = record.owner.accumulating_graph(
-                record.owner.dw_positions(positions), list(map(_grad_of, map(record.params.__getitem__, positions)))
-            )
-            if graph is not None:
-                accumulating[i] = (graph, positions)
-        # 1. compute: pure, so an exception here changes nothing.
-        compiled: dict[int, list[torch.Tensor]] = {}
-        by_id: dict[int, tuple[torch.Tensor, Node]] = {}
-        origin: dict[int, int] = {}  # the record a weight's (last) gradient came from
-        for i, record in enumerate(self.compiled):
-            if i not in accumulating and any(p is not None and id(p) in wanted for p in record.params):
-                triples = record.compute(wanted, self.timings)
-                if len(self.compiled) == 1 and not self.groups:
-                    # The common case (one region, no eager code): steps 2-3 in one pass.
-                    one = self._direct_one(record, triples, fused_accumulation)
-                    if one is not None:
-                        return one
-                for p, acc, g in triples:
-                    compiled.setdefault(id(p), []).append(g)
-                    by_id[id(p)] = (p, acc)
-                    origin[id(p)] = i
-        # 2. accumulate inside the dW graphs: each graph's run is the commit of
+        self, plan: CommitPlan
+    ) -> tuple[list[WeightCommit], tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Steps 1-3 of W (module docstring) as ``plan`` says: run the dW
+        graphs (those that accumulate last: running one is a commit), then
+        return the engine commits and the weights whose empty ``.grad`` takes
+        their gradient as it is, with those gradients."""
+        records, select = self.compiled, plan.select
+        # The accumulating dW graphs, compiled on first use: a compile error here changes nothing.
+        accumulating = self._accumulating_graphs(plan) if plan.accumulate else {}
+        # Compute: pure, so an exception here changes nothing.
+        results: list[list[tuple[torch.Tensor, Any, torch.Tensor]]] = [[]] * len(records)  # (replaced, never changed)
+        for i in plan.compute:
+            if i not in accumulating:
+                results[i] = records[i].compute(select, self.timings)
+        # Accumulate inside the dW graphs: each graph's run is the commit of
         # its fused weights, and computes the rest. Interrupted, the brackets
         # it ran tell which of its weights were written.
         for i, (graph, positions) in accumulating.items():
-            record = self.compiled[i]
+            record = records[i]
             fused = list(map(record.params.__getitem__, positions))
-            fused_ids = set(map(id, fused))
             grads = list(map(_grad_of, fused))
             with ti.recording_accumulation() as ledger:
                 try:
-                    rest = record.accumulate(graph, positions, wanted - fused_ids, self.timings)
+                    results[i] = record.accumulate(graph, positions, select, self.timings)
                 except BaseException:
-                    self._settle_interrupted(fused, grads, ledger)
+                    self._settle_interrupted(fused, grads, ledger, plan.position)
                     raise
-            self._committed.update(fused_ids)
-            self.accumulated_in_graph.extend(
-                itertools.compress(range(len(self._weights)), map(fused_ids.__contains__, map(id, self._weights)))
-            )
-            for p, acc, g in rest:
-                compiled.setdefault(id(p), []).append(g)
-                by_id[id(p)] = (p, acc)
-                origin[id(p)] = i
-        direct = self._direct(compiled, by_id, origin, fused_accumulation)
-        # 3. one commit per eager group (with the compiled gradients of its
-        # weights), then one for the weights only compiled regions reach.
+            self._committed.update(map(id, fused))
+            self.accumulated_in_graph.extend(map(plan.position.__getitem__, map(id, fused)))
+        direct = self._takes(plan, results) if plan.take else ([], [])
+        return (self._engine_commits(results, plan.wanted) if self.groups or any(results) else []), direct
+
+    def _accumulating_graphs(self, plan: CommitPlan) -> dict[int, tuple[ti.BoxedCallable, tuple[int, ...]]]:
+        """Per record of ``plan.accumulate``, the dW graph adding the gradients
+        at its positions (in the record's ``params``) into their ``.grad``, and
+        those positions, leaving out any ``.grad`` that shares storage with the
+        live-ins the graph reads; none where none is left or the graph cannot
+        be built (the record is computed and its gradients committed by the
+        engine). Which graph variant it is, the plan keeps (its guard holds
+        the ``.grad`` tensors' metadata, which decides it)."""
+        found = {}
+        for i, positions in plan.accumulate.items():
+            record = self.compiled[i]
+            owner = record.owner
+            grads = list(map(_grad_of, map(record.params.__getitem__, positions)))
+            variant = plan.variants.get(i)
+            if not record.live_in_storages().isdisjoint(ti.storage_ptrs(grads)):
+                kept = [(k, g) for k, g in zip(positions, grads) if ti.storage_ptr(g) not in record.live_in_storages()]
+                positions, grads, variant = tuple(map(_first, kept)), list(map(_second, kept)), None
+                if not positions:
+                    continue
+            elif variant is None:
+                dw = owner.dw_positions(positions)
+                variant = plan.variants[i] = (dw, owner.accumulating_key(dw, grads))
+            dw, key = variant if variant is not None else (owner.dw_positions(positions), None)
+            graph = owner.accumulating_graph(dw, grads, key)
+            if graph is not None:
+                found[i] = (graph, positions)
+        return found
+
+    def _takes(
+        self, plan: CommitPlan, results: list[list[tuple[torch.Tensor, Any, torch.Tensor]]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Take out of ``results`` the gradients of ``plan.take`` that an empty
+        ``.grad`` takes as they are (:func:`_takes_as_is`). A storage two
+        gradients share, or that others hold (the backward's own inputs, the
+        input gradients B returned), is someone else's too: autograd would
+        copy it. Autograd's engine would otherwise make exactly this
+        assignment, at the cost of an engine call."""
+        ptrs = _storages(list(map(_third, itertools.chain.from_iterable(results))))
+        shared = _repeated(ptrs)
+        taken_weights: list[torch.Tensor] = []
+        taken_grads: list[torch.Tensor] = []
+        end = 0
+        for i, triples in enumerate(results):
+            start, end = end, end + len(triples)
+            record, weights, grads, mine = self.compiled[i], list(map(_first, triples)), list(map(_third, triples)), ptrs[start:end]
+            if i in plan.take_every and not shared and _all_taken(record, weights, grads, mine):
+                taken_weights += weights  # every gradient of the region, decided at once (the common case)
+                taken_grads += grads
+                results[i] = []
+            elif not plan.take.isdisjoint(map(id, weights)):
+                picked = [k for k, w in enumerate(weights) if id(w) in plan.take and mine[k] is not None]
+                ok = _taken(record.owner, [weights[k] for k in picked], [grads[k] for k in picked],
+                            [mine[k] for k in picked], shared | record.held_elsewhere)
+                taken = {k for k, yes in zip(picked, ok) if yes}
+                taken_weights += [weights[k] for k in sorted(taken)]
+                taken_grads += [grads[k] for k in sorted(taken)]
+                results[i] = [t for k, t in enumerate(triples) if k not in taken]
+        return taken_weights, taken_grads
+
+    def _engine_commits(
+        self, results: list[list[tuple[torch.Tensor, Any, torch.Tensor]]], wanted: frozenset[int]
+    ) -> list[WeightCommit]:
+        """One commit per eager group (with the compiled gradients of its
+        weights), then one for the weights only compiled regions reach; a
+        weight with gradients from several places gets them all (the engine
+        sums them)."""
+        by_weight: dict[int, tuple[torch.Tensor, Node, list[torch.Tensor]]] = {}
+        for p, acc, g in itertools.chain.from_iterable(results):
+            entry = by_weight.setdefault(id(p), (p, acc, []))
+            entry[2].append(g)
         commits: list[WeightCommit] = []
         for group in self.groups:
             chosen = [(w, acc) for w, acc in zip(group.weights, group.accumulators) if id(w) in wanted]
@@ -1198,132 +1067,27 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 continue
             roots, values = group.starts()
             for w, acc in chosen:
-                for g in compiled.pop(id(w), ()):
+                for g in by_weight.pop(id(w), (None, None, ()))[2]:
                     roots.append(GradientEdge(acc, 0))
                     values.append(g)
             if roots:
-                commits.append(
-                    WeightCommit(roots, values, [w for w, _ in chosen], [a for _, a in chosen], group.pins())
-                )
-        if compiled:
-            commits.append(_engine_commit([(*by_id[k], gs) for k, gs in compiled.items()]))
-            compiled.clear()
-        return commits, direct
+                commits.append(WeightCommit(roots, values, [w for w, _ in chosen], [a for _, a in chosen], group.pins()))
+        if by_weight:
+            commits.append(_engine_commit(list(by_weight.values())))
+        return commits
 
-    def _direct_one(
-        self,
-        record: CompiledWeightWork,
-        triples: list[tuple[torch.Tensor, Any, torch.Tensor]],
-        switch: bool | None,
-        empty: bool = False,
-        distinct: bool | None = None,
-    ) -> tuple[list[WeightCommit], list[tuple[torch.Tensor, torch.Tensor]]] | None:
-        """What :meth:`_direct` and step 3 of :meth:`_compute` decide, for the
-        gradients of one record when no other record shares a weight with it
-        and there is no eager group, in one pass over its weights: the commit
-        through autograd's engine of what an empty ``.grad`` does not take as
-        it is, and the ``(weight, gradient)`` pairs it does. ``None`` where a
-        weight has two gradients (the general path sums them). ``empty``: the
-        caller found every ``.grad`` of the record's weights ``None`` (no user
-        code ran since). ``distinct``: the record's weights are known distinct
-        (default: it is ``_single``)."""
-        allowed = self._fusion_allowed(record, switch)
-        if allowed:
-            weights = list(map(_first, triples))
-            grads = list(map(_third, triples))
-            # The single record's weights are B's, found distinct at B (_single):
-            # so is any selection of them.
-            known = record is self._single if distinct is None else distinct
-            if _all_taken(record, weights, grads, distinct=known, empty=empty):
-                return [], list(zip(weights, grads))  # the common case, decided without a per-weight loop
-        plain = torch.Tensor
-        storage_ptr = ti.storage_ptr
-        ids: set[int] = set()
-        seen: set[int] = set()
-        shared: set[int] = set()
-        candidates: list[int] = []  # indices into triples
-        ptrs: list[int] = []
-        for n, (p, _, g) in enumerate(triples):
-            key = id(p)
-            if key in ids:
-                return None
-            ids.add(key)
-            if type(g) is plain:  # a DTensor's local storage is not its own to compare
-                ptr = storage_ptr(g)
-                (shared if ptr in seen else seen).add(ptr)
-                if allowed and p.grad is None:
-                    candidates.append(n)
-                    ptrs.append(ptr)
-        direct: list[tuple[torch.Tensor, torch.Tensor]] = []
-        rest = triples
-        if candidates:
-            weights = [triples[n][0] for n in candidates]
-            grads = [triples[n][2] for n in candidates]
-            takes = _direct_takes(record.owner, weights, grads, ptrs, shared | record.held_elsewhere)
-            taken: set[int] = set()
-            for n, weight, grad, ok in zip(candidates, weights, grads, takes):
-                if ok:
-                    direct.append((weight, grad))
-                    taken.add(n)
-            if taken:
-                rest = [t for n, t in enumerate(triples) if n not in taken]
-        return ([_engine_commit([(p, acc, (g,)) for p, acc, g in rest])] if rest else []), direct
-
-    def _direct(
-        self,
-        compiled: dict[int, list[torch.Tensor]],
-        by_id: dict[int, tuple[torch.Tensor, Node]],
-        origin: dict[int, int],
-        switch: bool | None,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Take out of ``compiled`` the gradients an empty ``.grad`` takes as
-        they are: one gradient, from a record whose weights W may commit
-        itself (:meth:`_fusion_allowed`), for a weight no eager group
-        reaches, and :func:`takes_gradient_like_autograd`. Autograd's engine
-        call would do exactly that assignment, at the cost of an engine call."""
-        if not compiled:  # (every gradient accumulated in its dW graph)
-            return []
-        eager = {id(w) for g in self.groups for w in g.weights} if self.groups else ()
-        allowed: dict[int, bool] = {}  # per record: decided once, not per weight
-        storage_ptr = ti.storage_ptr
-        plain = torch.Tensor
-        # A storage two gradients share, or that others hold (the backward's own
-        # inputs, the input gradients B returned), is someone else's too: autograd
-        # would copy it. A live-in dI computed is W's alone (dropped when W ends).
-        seen: set[int] = set()
-        shared: set[int] = set()
-        # per record: the candidates' keys, weights, gradients and storages
-        per_record: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
-        for k, gs in compiled.items():
-            for g in gs:
-                if type(g) is plain:  # a DTensor's local storage is not its own to compare
-                    ptr = storage_ptr(g)
-                    (shared if ptr in seen else seen).add(ptr)
-            if len(gs) != 1 or type(gs[0]) is not plain or k in eager:
-                continue
-            weight = by_id[k][0]
-            if weight.grad is not None:
-                continue
-            i = origin[k]
-            ok = allowed.get(i)
-            if ok is None:
-                ok = allowed[i] = self._fusion_allowed(self.compiled[i], switch)
-                if ok:
-                    per_record[i] = ([], [], [], [])
-            if ok:
-                keys, weights, grads, ptrs = per_record[i]
-                keys.append(k)
-                weights.append(weight)
-                grads.append(gs[0])
-                ptrs.append(ptr)
-        direct = []
-        for i, (keys, weights, grads, ptrs) in per_record.items():
-            takes = _direct_takes(self.compiled[i].owner, weights, grads, ptrs, shared | self.compiled[i].held_elsewhere)
-            for k, weight, grad, ok in zip(keys, weights, grads, takes):
-                if ok:
-                    direct.append((weight, grad))
-                    del compiled[k]
-        return direct
+    def _take(self, weights: list[torch.Tensor], grads: list[torch.Tensor], position: Mapping[int, int]) -> None:
+        """Commit each weight by ``weight.grad = gradient``. What happened is
+        read off ``.grad`` afterwards, also after an interruption, so every
+        weight is either committed (and recorded so) or untouched."""
+        try:
+            collections.deque(map(setattr, weights, itertools.repeat("grad"), grads), maxlen=0)
+        finally:
+            if not all(map(operator.is_, map(_grad_of, weights), grads)):  # interrupted
+                weights = [w for w, g in zip(weights, grads) if w.grad is g]
+            grads.clear()  # (W keeps no reference to a gradient it handed over)
+            self._committed.update(map(id, weights))
+            self.handed_over.extend(map(position.__getitem__, map(id, weights)))
 
     def _release(self) -> None:
         for record in self.compiled:

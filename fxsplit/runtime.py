@@ -33,7 +33,6 @@ import logging
 import operator
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -69,6 +68,7 @@ _CALL_ATTR = "_fxsplit_split_call"
 # bounds the CUDA graphs captured per slot, one per set of .grad addresses: a layout compiles code,
 # an address only needs another capture of the same code.
 MAX_ACCUMULATING_LAYOUTS = 8
+_UNCOMPILED: Any = object()  # (a key not compiled yet: None is "cannot be built")
 
 
 class DeferredGrad:
@@ -489,10 +489,6 @@ class CompiledSplitBackward:
         # Conforms what compiled dI returns to what autograd and dW expect
         # (built with dW, whose input layouts it checks).
         self._boundary: BoundaryGuard | None = None
-        # The accumulating dW graph last chosen, with the .grad tensors (weakly)
-        # it was chosen for: W on the same .grad tensors skips the layout key.
-        # (positions, the .grad tensors weakly, the graph, its key in _compiled)
-        self._last_accumulating: tuple[tuple[int, ...], tuple[Any, ...], Any, Any] | None = None
         # dw_positions' answers, by the weight positions asked for
         self._dw_positions: dict[tuple[int, ...], tuple[int, ...]] = {}
         # Callables that tools and tests put in place of a graph (see _run_di).
@@ -605,38 +601,39 @@ class CompiledSplitBackward:
         if "dW" not in self._compiled:
             self.compile("dI", "dW")
 
-    def accumulating_graph(self, positions: tuple[int, ...], grads: Sequence[torch.Tensor]) -> ti.BoxedCallable | None:
+    @staticmethod
+    def accumulating_key(positions: tuple[int, ...], grads: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        """Which accumulating dW variant adds the outputs at ``positions`` into
+        tensors laid out as ``grads`` (:meth:`accumulating_graph`)."""
+        return ("dW+accumulate", positions, tuple((tuple(g.stride()), g.dtype, g.device) for g in grads))
+
+    def accumulating_graph(
+        self, positions: tuple[int, ...], grads: Sequence[torch.Tensor], key: tuple[Any, ...] | None = None
+    ) -> ti.BoxedCallable | None:
         """The dW graph that accumulates its outputs at ``positions`` into
         tensors laid out as ``grads``, compiled on first use (``None`` if the
-        backend cannot build it)."""
-        last = self._last_accumulating
-        if (
-            last is not None
-            and last[0] == positions
-            and len(last[1]) == len(grads)
-            and all(map(operator.is_, map(_deref, last[1]), grads))
-        ):  # the same .grad tensors as last time: the same layouts
-            inner = self._inner.get(last[3])
-            if inner is not None and not ti.graph_calls_observed():
-                return inner  # (as _callable)
-            return self._called_once_more(last[3], last[2])
-        key = ("dW+accumulate", positions, tuple((tuple(g.stride()), g.dtype, g.device) for g in grads))
-        if key in self._compiled:
-            fn = self._compiled[key]
-            if fn is None:
-                return None
-            self._last_accumulating = (positions, tuple(weakref.ref(g) for g in grads), fn, key)
-            return self._called_once_more(key, fn)
-        self._graph("dW")  # the variant is compiled for the live-ins' layout, as dW
-        with self._lock:
-            if key not in self._compiled:
-                variants = sum(1 for k in self._compiled if not isinstance(k, str))
-                # A .grad whose layout keeps changing would compile without end: stop at a few.
-                fn = self.graphs.compile_accumulating(positions, grads) if variants < MAX_ACCUMULATING_LAYOUTS else None
-                self._compiled[key] = fn
-                if fn is not None:
-                    self._called.add(key)  # (its first call is the caller's, through the wrapper)
-            return self._compiled[key]
+        backend cannot build it). ``key``: :meth:`accumulating_key` of the
+        two, where the caller kept it (W's commit plan does, behind a guard
+        on the ``.grad`` tensors' metadata). Called as :meth:`_callable`
+        calls a graph: from its third call on, its generated code itself."""
+        if key is None:
+            key = self.accumulating_key(positions, grads)
+        fn = self._compiled.get(key, _UNCOMPILED)
+        if fn is _UNCOMPILED:
+            self._graph("dW")  # the variant is compiled for the live-ins' layout, as dW
+            with self._lock:
+                if key not in self._compiled:
+                    variants = sum(1 for k in self._compiled if not isinstance(k, str))
+                    # A .grad whose layout keeps changing would compile without end: stop at a few.
+                    fit = variants < MAX_ACCUMULATING_LAYOUTS
+                    self._compiled[key] = self.graphs.compile_accumulating(positions, grads) if fit else None
+                fn = self._compiled[key]
+        if fn is None:
+            return None
+        inner = self._inner.get(key)
+        if inner is not None and not ti.graph_calls_observed():
+            return inner
+        return self._called_once_more(key, fn)
 
     def dw_positions(self, weights: Sequence[int]) -> tuple[int, ...]:
         """The dW output positions of the gradients of plain weights ``weights``

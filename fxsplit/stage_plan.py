@@ -235,9 +235,9 @@ class EagerWeightPlan:
     # Per split region (compiled-only plans): the node of each of its
     # next_functions (None where an edge has none), as the walk read them.
     region_children: dict[Node, list[Node | None]] = dataclasses.field(default_factory=dict)
-    # The given weights are distinct tensors, each requiring grad (as the plan
-    # found them; False: not known). Lets W skip checking distinctness again.
-    weights_distinct: bool = False
+    # W's commit plans for this stage (fxsplit.pending.PendingWeightGrads._commit_plan),
+    # shared by every replay of one StageShape; None: W plans on every call.
+    commit_plans: list[Any] | None = None
     # Compiled-only plans of one region: the position among the region's
     # next_functions where each stage input (in the order given) enters it,
     # each by one edge of its own (None: not so, or another kind of plan).
@@ -254,7 +254,6 @@ class EagerWeightPlan:
         outputs: int,
         region_params: dict[Node, list[torch.Tensor | None]],
         region_children: dict[Node, list[Node | None]],
-        weights_distinct: bool,
         unreached: int = 0,
     ) -> EagerWeightPlan:
         """The plan of a stage of split regions only (:func:`compiled_only_plan`):
@@ -267,7 +266,6 @@ class EagerWeightPlan:
         plan.output_users = [[] for _ in range(outputs)]
         plan.region_params = region_params
         plan.region_children = region_children
-        plan.weights_distinct = weights_distinct
         if unreached:
             plan.unreached = unreached
         return plan
@@ -286,7 +284,7 @@ _COMPILED_ONLY_FIELDS: dict[str, Any] = {
     "intermediates": [], "w_roots": [], "groups": [], "unreached": 0, "region_starts": [], "once": [],
     "w_side": frozenset(),
     "rerun": frozenset(), "release": [], "above": [], "bottom_regions": [], "captures": [],
-    "direct_edges": None, "prepared": False,
+    "direct_edges": None, "prepared": False, "commit_plans": None,
 }
 
 
@@ -459,9 +457,8 @@ def compiled_only_plan(
     if not below:
         return None
     wanted = {id(w) for w in weights if w.requires_grad}
-    distinct = len(given) == len(weights) and found == given
     plan = EagerWeightPlan.compiled_only(
-        list(below), len(output_edges), region_params, region_children, distinct,
+        list(below), len(output_edges), region_params, region_children,
         0 if found == given else len(wanted) - len(found),
     )
     if not inputs:  # a first stage: one region, whose outputs are the stage's
@@ -799,7 +796,7 @@ def _stage_shape(
     return StageShape(
         refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shapes),
         items_getter([index[n] for n in out_nodes]), bool(plan.captures),
-        {**_COMPILED_ONLY_FIELDS, "output_users": plan.output_users, "weights_distinct": plan.weights_distinct,
+        {**_COMPILED_ONLY_FIELDS, "output_users": plan.output_users, "commit_plans": [],
          "unreached": plan.unreached, "direct_edges": plan.direct_edges, "prepared": True}, numbers,
     )
 
@@ -879,6 +876,7 @@ def plan_stage(
     plan.prepared = True
     shape = _stage_shape(plan, out_nodes, xs, weights)
     if shape is not None:
+        plan.commit_plans = shape.fields["commit_plans"]
         if len(shapes) >= MAX_PLANS_PER_REGION:
             del shapes[0]
         shapes.append(shape)

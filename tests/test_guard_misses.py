@@ -106,6 +106,18 @@ def _run(case: str, compiler: str, first_stage: bool, direct_b: Any = "auto") ->
 
 
 def _run_patched(case: str, compiler: str, first_stage: bool) -> None:
+    from fxsplit import pending
+
+    planned: list[int] = []
+    plan_commits = pending.plan_commits
+    pending.plan_commits = lambda *a: planned.append(1) or plan_commits(*a)  # type: ignore[assignment]
+    try:
+        _microbatches(case, compiler, first_stage, planned)
+    finally:
+        pending.plan_commits = plan_commits
+
+
+def _microbatches(case: str, compiler: str, first_stage: bool, planned: list[int]) -> None:
     before, change, (late_shape, late_dtype) = CASES[case]
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -137,6 +149,11 @@ def _run_patched(case: str, compiler: str, first_stage: bool) -> None:
                 out.backward(dy)
                 dx[name] = xi.grad
         where = f"{case} ({compiler}) microbatch {mb}"
+        # W plans its commits for .grad empty (microbatch 0) and set (1), replays that at 2, and
+        # plans again after the change: each change is something its guard (or B's) checks.
+        assert len(planned) == {0: 1, 1: 2, 2: 2}.get(mb, len(planned)), where
+        if mb == WARM_UP:
+            assert len(planned) > 2, where
         if not first_stage:
             for name in ("ordinary", "eager"):
                 torch.testing.assert_close(dx["split"], dx[name], msg=lambda msg, n=name: f"{where}: dx vs {n}: {msg}")

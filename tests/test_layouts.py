@@ -353,12 +353,13 @@ def test_storage_pointer_without_a_storage_object() -> None:
 
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -> None:
-    """Once W has taken every gradient of a region as it is (decided over the
-    weights at once), what can change between steps without any layout
-    changing is still read every time: a tensor hook, a post-accumulate-grad
-    hook, a ``.grad`` left from the step before. Each step's
-    gradients, ``.grad`` tensors and hook calls are those of ordinary backward
-    on an identical copy, and the bulk decision is made where nothing changed."""
+    """Once W has planned its commits and taken every gradient of a region as
+    it is (decided over the weights at once), what can change between steps
+    without any layout changing is still guarded every time: a tensor hook, a
+    post-accumulate-grad hook, a ``.grad`` left from the step before each make
+    W plan again. Each step's gradients, ``.grad`` tensors and hook calls are
+    those of ordinary backward on an identical copy; where nothing changed, W
+    replays its plan and takes the gradients in one decision."""
     from fxsplit import pending
 
     torch.manual_seed(0)
@@ -373,15 +374,19 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
     x, g = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
     calls: dict[str, list[Any]] = {"split": [], "ordinary": []}
     handles: list[Any] = []
-    bulk: list[bool] = []
-    real = pending._all_taken
+    planned: list[int] = []
+    per_weight: list[int] = []
+    real_plan, real_taken = pending.plan_commits, pending._taken
 
-    def counting(*args: Any, **kwargs: Any) -> bool:
-        result = real(*args, **kwargs)
-        bulk.append(result)
-        return result
+    def planning(*args: Any) -> Any:
+        planned.append(1)
+        return real_plan(*args)
 
-    pending._all_taken = counting
+    def deciding(*args: Any) -> Any:
+        per_weight.append(1)
+        return real_taken(*args)
+
+    pending.plan_commits, pending._taken = planning, deciding
     try:
         for step in range(7):
             keep = step == 4  # .grad of params[2] left from step 3: accumulated into
@@ -399,7 +404,8 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
                 for h in handles:
                     h.remove()
                 handles.clear()
-            bulk.clear()
+            planned.clear()
+            per_weight.clear()
             xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
             (dx,), work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
             fxsplit.stage_backward_weight(params, work)
@@ -416,14 +422,17 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
                     torch.testing.assert_close(a, b, rtol=0, atol=0)
             if step in (1, 5, 6):  # nothing observes the accumulation: all taken, as they are
                 assert sorted(work.handed_over) == list(range(len(params))), step
-            if step in (1, 6):  # ... in one decision (step 5 makes the guard for the whole set again)
-                assert bulk == [True], step
+            # planned at the first step and where a hook or a .grad came or went, else replayed
+            assert len(planned) == (step in (0, 2, 3, 4)), step
+            if step in (1, 6):  # ... and taken in one decision (step 5 makes the guard for the whole set again)
+                assert not per_weight, step
+            if step in (2, 3):  # the others' gradients: decided weight by weight
+                assert per_weight, step
             if step in (2, 3, 4):  # the weight that changed goes the way autograd would
-                assert True not in bulk, step
                 assert {2: 0, 3: 1, 4: 2}[step] not in work.handed_over, step
         assert sorted(k for k, _ in calls["split"]) == ["hook"] * 3 + ["post"] * 2
     finally:
-        pending._all_taken = real
+        pending.plan_commits, pending._taken = real_plan, real_taken
         for h in handles:
             h.remove()
 
