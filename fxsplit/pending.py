@@ -371,25 +371,29 @@ def _guarded(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor])
     return cached is not None and cached[0] == len(weights) and cached[1](*weights, *grads)
 
 
-def _taken(owner: Any, weights: list[torch.Tensor], grads: list[Any], ptrs: list[int | None], avoid: Any) -> list[bool]:
-    """:func:`_takes_as_is` for each pair, the layout decided once per region
-    and set of weights, then guarded (:func:`fxsplit._torch_internals.metadata_guard`)."""
-    if _guarded(owner, weights, grads):
-        return [g._base is None and p not in avoid for g, p in zip(grads, ptrs)]
-    laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
-    if weights and all(laid_out):
-        guard = ti.metadata_guard([*weights, *grads])
-        if guard is not None:
-            _LAYOUT_GUARDS[owner] = (len(weights), guard)
+def _taken(
+    record: CompiledWeightWork, weights: list[torch.Tensor], grads: list[Any], ptrs: list[int | None], shared: set[Any]
+) -> list[bool]:
+    """:func:`_takes_as_is` for each pair of ``record``'s (``ptrs``: the
+    gradients' storages; ``shared``: storages other gradients of this W have
+    too). The layout is decided once per region and set of weights, then
+    guarded (:func:`fxsplit._torch_internals.metadata_guard`); where it holds
+    and no gradient is a view or anyone else's, every pair is decided at
+    once (C-level passes, the live-ins read only as far as that needs)."""
+    if _guarded(record.owner, weights, grads):
+        if all(map(operator.is_, map(_base_of, grads), itertools.repeat(None))) and shared.isdisjoint(ptrs) and (
+            None not in ptrs and record.holds_none_of(set(ptrs))
+        ):
+            return [True] * len(weights)
+        laid_out = [True] * len(weights)
+    else:
+        laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
+        if weights and all(laid_out):
+            guard = ti.metadata_guard([*weights, *grads])
+            if guard is not None:
+                _LAYOUT_GUARDS[record.owner] = (len(weights), guard)
+    avoid = shared | record.held_elsewhere
     return [ok and g._base is None and p not in avoid for ok, g, p in zip(laid_out, grads, ptrs)]
-
-
-def _all_taken(record: CompiledWeightWork, weights: list[torch.Tensor], grads: list[Any], ptrs: list[int | None]) -> bool:
-    """:func:`_takes_as_is` for every pair, decided at once (C-level passes):
-    the layout guard, no gradient a view, every storage plain and nobody else's."""
-    none = itertools.repeat(None)
-    return _guarded(record.owner, weights, grads) and all(map(operator.is_, map(_base_of, grads), none)) and (
-        None not in ptrs and record.holds_none_of(set(ptrs)))
 
 
 def _storages(grads: list[Any]) -> list[int | None]:
@@ -1034,15 +1038,22 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         end = 0
         for i, triples in enumerate(results):
             start, end = end, end + len(triples)
-            record, weights, grads, mine = self.compiled[i], list(map(_first, triples)), list(map(_third, triples)), ptrs[start:end]
-            if i in plan.take_every and not shared and _all_taken(record, weights, grads, mine):
-                taken_weights += weights  # every gradient of the region, decided at once (the common case)
+            weights = list(map(_first, triples))
+            every = i in plan.take_every
+            picked = range(len(weights)) if every else [k for k, w in enumerate(weights) if id(w) in plan.take]
+            if not picked:
+                continue
+            grads, mine = list(map(_third, triples)), ptrs[start:end]
+            if every:
+                ok = _taken(self.compiled[i], weights, grads, mine, shared)
+            else:
+                ok = _taken(self.compiled[i], [weights[k] for k in picked], [grads[k] for k in picked],
+                            [mine[k] for k in picked], shared)
+            if every and all(ok):  # every gradient of the region (the common case)
+                taken_weights += weights
                 taken_grads += grads
                 results[i] = []
-            elif not plan.take.isdisjoint(map(id, weights)):
-                picked = [k for k, w in enumerate(weights) if id(w) in plan.take and mine[k] is not None]
-                ok = _taken(record.owner, [weights[k] for k in picked], [grads[k] for k in picked],
-                            [mine[k] for k in picked], shared | record.held_elsewhere)
+            else:
                 taken = {k for k, yes in zip(picked, ok) if yes}
                 taken_weights += [weights[k] for k in sorted(taken)]
                 taken_grads += [grads[k] for k in sorted(taken)]

@@ -376,7 +376,7 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
     handles: list[Any] = []
     planned: list[int] = []
     per_weight: list[int] = []
-    real_plan, real_taken = pending.plan_commits, pending._taken
+    real_plan, real_layout = pending.plan_commits, pending._in_weight_layout
 
     def planning(*args: Any) -> Any:
         planned.append(1)
@@ -384,9 +384,9 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
 
     def deciding(*args: Any) -> Any:
         per_weight.append(1)
-        return real_taken(*args)
+        return real_layout(*args)
 
-    pending.plan_commits, pending._taken = planning, deciding
+    pending.plan_commits, pending._in_weight_layout = planning, deciding
     try:
         for step in range(7):
             keep = step == 4  # .grad of params[2] left from step 3: accumulated into
@@ -424,15 +424,15 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
                 assert sorted(work.handed_over) == list(range(len(params))), step
             # planned at the first step and where a hook or a .grad came or went, else replayed
             assert len(planned) == (step in (0, 2, 3, 4)), step
-            if step in (1, 6):  # ... and taken in one decision (step 5 makes the guard for the whole set again)
+            if step in (1, 6):  # ... and taken behind the layout guard (step 5 makes it for the whole set again)
                 assert not per_weight, step
-            if step in (2, 3):  # the others' gradients: decided weight by weight
+            if step in (2, 3):  # the others' gradients: their layouts checked weight by weight
                 assert per_weight, step
             if step in (2, 3, 4):  # the weight that changed goes the way autograd would
                 assert {2: 0, 3: 1, 4: 2}[step] not in work.handed_over, step
         assert sorted(k for k, _ in calls["split"]) == ["hook"] * 3 + ["post"] * 2
     finally:
-        pending.plan_commits, pending._taken = real_plan, real_taken
+        pending.plan_commits, pending._in_weight_layout = real_plan, real_layout
         for h in handles:
             h.remove()
 
