@@ -260,11 +260,10 @@ def stage_backward_input(
     :class:`PendingWeightGrads` to pass to :func:`stage_backward_weight`
     (once, or again after a W that raised).
 
-    A first stage (no input needs a gradient) still does its share at B:
-    every compiled region runs its dI graph (the activation-gradient chain
-    through the region) and the eager code above the regions runs up to
-    them, so W is left with the weight-gradient work; eager code below the
-    regions, and a stage with no region, run at W (see :mod:`fxsplit.stage_plan`).
+    A first stage (no input needs a gradient) still does its share at B: every compiled region
+    runs its dI graph (the activation-gradient chain through the region) and the eager code
+    above the regions runs up to them, so W is left with the weight-gradient work; eager code
+    below the regions, and a stage with no region, run at W (see :mod:`fxsplit.stage_plan`).
 
     Only this call's autograd call is split: the compiled regions it runs are
     registered on their autograd nodes while it runs, so backward calls of
@@ -293,7 +292,20 @@ def stage_backward_input(
         if not plan.prepared:
             prepare_regions(plan.split_regions)
     call, saved, results = _run_b(plan, outs, grads, xs, weights)
-    dinputs: list[torch.Tensor | None] = [None] * len(input_values)
+    dinputs = _into_inputs(len(input_values), grad_inputs, results)
+    del results
+    work = _record_b(plan, weights, call, saved, outs, out_edges, grads)
+    work.timings["b_ns"] = time.perf_counter_ns() - t0
+    return dinputs, work
+
+
+def _into_inputs(
+    n: int, grad_inputs: list[tuple[int, torch.Tensor]], results: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor | None, ...]:
+    """B's ``dinputs`` (one per of the ``n`` input values; ``grad_inputs``: the
+    position and tensor of each that needs a gradient, ``results`` their
+    gradients), each accumulated into its input's ``.grad`` as upstream does."""
+    dinputs: list[torch.Tensor | None] = [None] * n
     for (k, v), g in zip(grad_inputs, results):
         dinputs[k] = g
         if g is not None:
@@ -301,10 +313,7 @@ def stage_backward_input(
                 v.grad = g
             else:
                 v.grad += g
-    del results
-    work = _record_b(plan, weights, call, saved, outs, out_edges, grads)
-    work.timings["b_ns"] = time.perf_counter_ns() - t0
-    return tuple(dinputs), work
+    return tuple(dinputs)
 
 
 def _checked_call(

@@ -1082,7 +1082,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     roots.append(GradientEdge(acc, 0))
                     values.append(g)
             if roots:
-                commits.append(WeightCommit(roots, values, [w for w, _ in chosen], [a for _, a in chosen], group.pins()))
+                weights, accumulators = [w for w, _ in chosen], [a for _, a in chosen]
+                commits.append(WeightCommit(roots, values, weights, accumulators, group.pins()))
         if by_weight:
             commits.append(_engine_commit(list(by_weight.values())))
         return commits

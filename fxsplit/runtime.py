@@ -402,95 +402,20 @@ class RegionGraphs(Protocol):
     ) -> ti.BoxedCallable | None: ...
 
 
-class CompiledSplitBackward:
-    """The backward of one fxsplit-compiled region, as AOTAutograd calls it.
-
-    ``_run_di(args)`` returns the dI outputs followed by the live-ins;
-    ``_run_dw(live_ins)`` the weight gradients; ``_run_fused(args)`` the whole
-    backward. All follow AOTAutograd's boxed convention. Each graph is
-    compiled when first used (unless the backend compiled it already):
-    ordinary backward compiles the fused graph only, B the dI/dW pair only
-    (:meth:`prepare_split`, before B's autograd call, so a compile error
-    raises before anything runs).
-
-    Inspection: ``stats`` counts graph runs (``fused_runs``, ``di_runs``,
-    ``dw_runs``; a dW run that accumulates into ``.grad`` counts as a dW run
-    and also in ``accumulating_runs``; a dI run B made by calling the
-    region's node itself rather than through autograd's engine, see
-    :data:`fxsplit.config.direct_b`, also in ``direct_b_runs``), ``graph_ns`` the time spent inside
-    each kind of graph, ``compile_seconds`` the time each compile took.
+class CompiledGraphs:
+    """A region's compiled graphs and their variants, each compiled when first
+    asked for (``graphs``, the backend, compiles them): ``"dI"``, ``"dW"``,
+    ``"fused"`` (where ``fused_backward``) and the dW variants that accumulate
+    into ``.grad``. ``_run_di``, ``_run_dw`` and ``_run_fused`` are what calls
+    each now: from its third call on, Inductor's generated code itself
+    (:meth:`_callable`). Compiling is thread-safe.
     """
 
-    def __init__(
-        self,
-        split: SplitResult,
-        graphs: RegionGraphs,
-        name: str,
-        layout: GradientLayout | None = None,
-        fused_backward: bool = True,
-        fused_accumulation: bool | None = None,
-        cudagraphs: bool = False,
-    ) -> None:
-        # An instance attribute, so wrappers that copy __dict__ (torch._dynamo.disable) keep it.
-        self._boxed_call = True
-        # Replay dI and dW as CUDA graphs where they can (fxsplit.cudagraphs);
-        # decided on the first split call, from its tensors.
-        self.cudagraphs = cudagraphs
-        self._capture: RegionCapture | None = None
-        self._capture_decided = False
-        # With CUDA graphs, the forward replays through Inductor's cudagraph
-        # trees: what B tells them when dI runs, and the live-ins that are the
-        # backward's own inputs (saved activations in the trees' memory), which
-        # W must not read there (the trees may free them): dI's outputs copy them.
-        self._tree_notice: Callable[[], None] | None = None
-        n = len(split.di_outputs)
-        self._passthrough = tuple(
-            n + k for k, live in enumerate(split.live_ins) if live.source == "input" and live.kind == "tensor"
-        )
-        # The same live-ins, read off W's live-ins (dI's outputs after its own) in one call.
-        self.passthrough_live_ins = ti.items_getter([i - n for i in self._passthrough])
-        # The output gradients among dI's inputs (copied into a CUDA graph slot, not keying it).
-        self._tangents = frozenset(ti.tangent_positions(split.di_graph))
-        self.split = split
+    def __init__(self, graphs: RegionGraphs, fused_backward: bool = True) -> None:
         self.graphs = graphs
-        self.name = name
         self.fused_backward = fused_backward
-        # None: fxsplit.config.fused_accumulation decides at W; False: never.
-        self.fused_accumulation = fused_accumulation
-        # Which forward input each backward output is (part of) the gradient
-        # of: the autograd node has an edge per tensor input only, and a
-        # DTensor weight's gradient is several outputs.
-        self.layout = layout if layout is not None else GradientLayout.plain(split.num_outputs)
-        # One per weight, in dW output order: the pieces W hands to autograd as one gradient.
-        self.weight_grads: tuple[WeightGradient, ...] = self.layout.weight_gradients(split.dw_outputs)
-        # Per weight gradient, the index of its weight's edge among the autograd
-        # node's next_functions (one per tensor input), decided once.
-        flags = self.layout.input_is_tensor
-        self._num_edges = sum(flags)
-        self._has_subclass_inputs = bool(self.layout.subclass_inputs)
-        self._weight_edges: tuple[int | None, ...] = tuple(
-            sum(flags[: g.input_index]) if g.input_index < len(flags) and flags[g.input_index] else None
-            for g in self.weight_grads
-        )
-        # The same positions read in one C-level call, where every weight
-        # gradient has an edge (the common case; None otherwise).
-        self._weight_edges_getter: Callable[[Sequence[Any]], Any] | None = (
-            ti.items_getter(self._weight_edges) if None not in self._weight_edges else None
-        )
-        # Builds DTensor gradients from their pieces; read off the region's
-        # autograd node by the first split backward (see _input_only).
-        self._subclass_grads: ti.SubclassGradients | None = None
-        self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
-        self.accumulating_runs = 0
-        self.direct_b_runs = 0
-        self.graph_ns = {"fused": 0, "dI": 0, "dW": 0}
         self._lock = threading.Lock()
         self._compiled: dict[Any, ti.BoxedCallable | None] = {}
-        # Conforms what compiled dI returns to what autograd and dW expect
-        # (built with dW, whose input layouts it checks).
-        self._boundary: BoundaryGuard | None = None
-        # dw_positions' answers, by the weight positions asked for
-        self._dw_positions: dict[tuple[int, ...], tuple[int, ...]] = {}
         # Callables that tools and tests put in place of a graph (see _run_di).
         self._replaced: dict[str, ti.BoxedCallable] = {}
         # Per graph kind: called once through its compiled wrapper, and what to
@@ -498,20 +423,6 @@ class CompiledSplitBackward:
         # has none; see _callable).
         self._called: set[Any] = set()
         self._inner: dict[Any, ti.BoxedCallable] = {}
-        out_vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-                    for n in split.dw_graph.graph.output_node().args[0]] if split.dw_outputs else []
-        # The dtype of each weight's gradient (None where unknown, and for a
-        # subclass gradient): .grad must match for the gradient to be
-        # accumulated inside the graph.
-        self.weight_grad_dtypes: tuple[torch.dtype | None, ...] = tuple(
-            None if g.subclass or len(g.positions) != 1 or len(out_vals) != len(split.dw_outputs)
-            or not isinstance(out_vals[g.positions[0]], torch.Tensor)
-            else out_vals[g.positions[0]].dtype
-            for g in self.weight_grads
-        )
-
-    def __repr__(self) -> str:
-        return f"<CompiledSplitBackward {self.name} stats={self.stats}>"
 
     @property
     def compile_seconds(self) -> dict[str, float]:
@@ -635,23 +546,127 @@ class CompiledSplitBackward:
             return inner
         return self._called_once_more(key, fn)
 
+
+
+def _weight_grad_dtypes(split: SplitResult, weight_grads: Sequence[WeightGradient]) -> tuple[torch.dtype | None, ...]:
+    """The dtype of each weight's gradient as the dW graph computes it (``None``
+    where unknown, and for a subclass gradient)."""
+    out_vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+                for n in split.dw_graph.graph.output_node().args[0]] if split.dw_outputs else []
+    return tuple(
+        None if g.subclass or len(g.positions) != 1 or len(out_vals) != len(split.dw_outputs)
+        or not isinstance(out_vals[g.positions[0]], torch.Tensor)
+        else out_vals[g.positions[0]].dtype
+        for g in weight_grads
+    )
+
+
+def _passthrough_and_tangents(
+    split: SplitResult,
+) -> tuple[tuple[int, ...], Callable[[Sequence[Any]], Any], frozenset[int]]:
+    """Where dI's outputs hold the live-ins that are the backward's own inputs
+    (after dI's own outputs); a reader of the same live-ins off W's live-ins
+    (dI's outputs after its own), in one call; and the output gradients among
+    dI's inputs (copied into a CUDA graph slot, not keying it)."""
+    n = len(split.di_outputs)
+    passthrough = tuple(
+        n + k for k, live in enumerate(split.live_ins) if live.source == "input" and live.kind == "tensor"
+    )
+    return passthrough, ti.items_getter([i - n for i in passthrough]), frozenset(ti.tangent_positions(split.di_graph))
+
+
+class CompiledSplitBackward(CompiledGraphs):
+    """The backward of one fxsplit-compiled region, as AOTAutograd calls it.
+
+    ``_run_di(args)`` returns the dI outputs followed by the live-ins;
+    ``_run_dw(live_ins)`` the weight gradients; ``_run_fused(args)`` the whole
+    backward. All follow AOTAutograd's boxed convention. Each graph is
+    compiled when first used (unless the backend compiled it already):
+    ordinary backward compiles the fused graph only, B the dI/dW pair only
+    (:meth:`prepare_split`, before B's autograd call, so a compile error
+    raises before anything runs).
+
+    Inspection: ``stats`` counts graph runs (``fused_runs``, ``di_runs``,
+    ``dw_runs``; a dW run that accumulates into ``.grad`` counts as a dW run
+    and also in ``accumulating_runs``; a dI run B made by calling the
+    region's node itself rather than through autograd's engine, see
+    :data:`fxsplit.config.direct_b`, also in ``direct_b_runs``), ``graph_ns`` the time spent inside
+    each kind of graph, ``compile_seconds`` the time each compile took.
+    """
+
+    def __init__(
+        self,
+        split: SplitResult,
+        graphs: RegionGraphs,
+        name: str,
+        layout: GradientLayout | None = None,
+        fused_backward: bool = True,
+        fused_accumulation: bool | None = None,
+        cudagraphs: bool = False,
+    ) -> None:
+        super().__init__(graphs, fused_backward)
+        # An instance attribute, so wrappers that copy __dict__ (torch._dynamo.disable) keep it.
+        self._boxed_call = True
+        # Replay dI and dW as CUDA graphs where they can (fxsplit.cudagraphs);
+        # decided on the first split call, from its tensors.
+        self.cudagraphs = cudagraphs
+        self._capture: RegionCapture | None = None
+        self._capture_decided = False
+        # With CUDA graphs, the forward replays through Inductor's cudagraph
+        # trees: what B tells them when dI runs, and the live-ins that are the
+        # backward's own inputs (saved activations in the trees' memory), which
+        # W must not read there (the trees may free them): dI's outputs copy them.
+        self._tree_notice: Callable[[], None] | None = None
+        self._passthrough, self.passthrough_live_ins, self._tangents = _passthrough_and_tangents(split)
+        self.split = split
+        self.name = name
+        # None: fxsplit.config.fused_accumulation decides at W; False: never.
+        self.fused_accumulation = fused_accumulation
+        # Which forward input each backward output is (part of) the gradient
+        # of: the autograd node has an edge per tensor input only, and a
+        # DTensor weight's gradient is several outputs.
+        self.layout = layout if layout is not None else GradientLayout.plain(split.num_outputs)
+        # One per weight, in dW output order: the pieces W hands to autograd as one gradient.
+        self.weight_grads: tuple[WeightGradient, ...] = self.layout.weight_gradients(split.dw_outputs)
+        # The autograd node's edges (one per tensor input), and per weight
+        # gradient the index of its weight's edge among them, decided once;
+        # the same positions read in one C-level call, where every weight
+        # gradient has an edge (the common case; None otherwise).
+        flags = self.layout.input_is_tensor
+        self._num_edges = sum(flags)
+        self._has_subclass_inputs = bool(self.layout.subclass_inputs)
+        self._weight_edges: tuple[int | None, ...] = tuple(
+            sum(flags[: g.input_index]) if g.input_index < len(flags) and flags[g.input_index] else None
+            for g in self.weight_grads
+        )
+        self._weight_edges_getter = ti.items_getter(self._weight_edges) if None not in self._weight_edges else None
+        # Builds DTensor gradients from their pieces; read off the region's
+        # autograd node by the first split backward (see _input_only).
+        self._subclass_grads: ti.SubclassGradients | None = None
+        self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
+        self.accumulating_runs = self.direct_b_runs = 0
+        self.graph_ns = {"fused": 0, "dI": 0, "dW": 0}
+        # Conforms what compiled dI returns to what autograd and dW expect
+        # (built with dW, whose input layouts it checks).
+        self._boundary: BoundaryGuard | None = None
+        # The dtype of each weight's gradient (None where unknown, and for a
+        # subclass gradient): .grad must match for the gradient to be
+        # accumulated inside the graph.
+        self.weight_grad_dtypes = _weight_grad_dtypes(split, self.weight_grads)
+
+    def __repr__(self) -> str:
+        return f"<CompiledSplitBackward {self.name} stats={self.stats}>"
+
     def dw_positions(self, weights: Sequence[int]) -> tuple[int, ...]:
         """The dW output positions of the gradients of plain weights ``weights``
         (indices into :attr:`weight_grads`), for :meth:`accumulating_graph`."""
-        key = tuple(weights)
-        known = self._dw_positions.get(key)
-        if known is not None:
-            return known
         result = []
         for k in weights:
             grad = self.weight_grads[k]
             if grad.subclass or len(grad.positions) != 1:
                 raise ValueError(f"fxsplit: {self.name}: weight {k}'s gradient is a tensor subclass")
             result.append(grad.positions[0])
-        found = tuple(result)
-        if len(self._dw_positions) < 16:  # a few selections recur (every weight, or all but some)
-            self._dw_positions[key] = found
-        return found
+        return tuple(result)
 
     def weight_gradient_values(self, dw_vals: Sequence[Any]) -> list[Any]:
         """One gradient per :attr:`weight_grads` from the dW graph's outputs

@@ -561,6 +561,61 @@ def _once() -> bool:
     return config.current("whole_nodes") == "once"
 
 
+def _weight_starts(
+    weights: Sequence[torch.Tensor], node_of: dict[int, Node], roots: list[Node], parents: dict[Node, list[Node]],
+    b_set: set[Node], split: set[Node],
+) -> tuple[dict[Node, None], dict[int, None], set[Node], list[tuple[torch.Tensor, set[Node], set[int]]]]:
+    """Where W starts for each weight (:func:`_walk_from_weight`), and over all
+    of them: the intermediates, the stage outputs W starts from (by index), W's
+    side of the graph, and per weight with any ``(weight, its intermediates, its outputs)``."""
+    root_index: dict[Node, list[int]] = collections.defaultdict(list)
+    for k, node in enumerate(roots):
+        root_index[node].append(k)
+    intermediates: dict[Node, None] = {}
+    w_roots: dict[int, None] = {}
+    w_side: set[Node] = set()
+    starts: list[tuple[torch.Tensor, set[Node], set[int]]] = []
+    for w in weights:
+        w_node = node_of.get(id(w))
+        if w_node is None:
+            continue
+        inter, outs, seen = _walk_from_weight(w_node, isinstance(w, torch.nn.Parameter), parents, b_set, split,
+                                              root_index)
+        if inter or outs:
+            intermediates.update(inter)
+            w_roots.update(dict.fromkeys(sorted(outs)))
+            w_side.update(seen)
+            starts.append((w, set(inter), outs))
+    return intermediates, w_roots, w_side, starts
+
+
+def _walk_from_weight(
+    w_node: Node, parameter: bool, parents: dict[Node, list[Node]], b_set: set[Node], split: set[Node],
+    root_index: dict[Node, list[int]],
+) -> tuple[dict[Node, None], set[int], set[Node]]:
+    """Up from a weight's gradient node to the B set: the B-set nodes its
+    gradient flows out of (W's intermediates for it), the stage outputs it
+    reaches without passing through the B set (by index), and the nodes seen
+    (W's side). A ``parameter``'s gradient out of a split region directly is
+    that region's dW graph's, not an intermediate's."""
+    inter: dict[Node, None] = {}
+    outs: set[int] = set()
+    seen = {w_node}
+    queue = collections.deque([w_node])
+    while queue:
+        node = queue.popleft()
+        outs.update(root_index.get(node, ()))
+        for p in parents.get(node, ()):
+            if p in b_set:
+                if node is w_node and parameter and p in split:
+                    continue  # that region's dW graph computes this gradient
+                inter[p] = None
+            elif p not in seen:
+                seen.add(p)
+                queue.append(p)
+    return inter, outs, seen
+
+
 def plan_eager_weight_work(
     output_edges: Sequence[GradientEdge],
     input_nodes: Sequence[Node],
@@ -589,46 +644,12 @@ def plan_eager_weight_work(
         )
     bottom, captures = _bottom_regions(parents, roots, output_edges) if not input_nodes else ([], [])
     b_set = _upward_closure(list(input_nodes) or bottom, parents)
-    root_index: dict[Node, list[int]] = collections.defaultdict(list)
-    for k, node in enumerate(roots):
-        root_index[node].append(k)
-
-    intermediates: dict[Node, None] = {}
-    w_roots: dict[int, None] = {}
-    w_side: set[Node] = set()
-    starts: list[tuple[torch.Tensor, set[Node], set[int]]] = []
-    for w in weights:
-        w_node = node_of.get(id(w))
-        if w_node is None:
-            continue
-        skip_split_regions = isinstance(w, torch.nn.Parameter)
-        inter: dict[Node, None] = {}
-        outs: set[int] = set()
-        seen = {w_node}
-        queue = collections.deque([w_node])
-        while queue:
-            node = queue.popleft()
-            outs.update(root_index.get(node, ()))
-            for p in parents.get(node, ()):
-                if p in b_set:
-                    if node is w_node and skip_split_regions and p in split:
-                        continue  # that region's dW graph computes this gradient
-                    inter[p] = None
-                elif p not in seen:
-                    seen.add(p)
-                    queue.append(p)
-        if inter or outs:
-            intermediates.update(inter)
-            w_roots.update(dict.fromkeys(sorted(outs)))
-            w_side.update(seen)
-            starts.append((w, set(inter), outs))
+    intermediates, w_roots, w_side, starts = _weight_starts(weights, node_of, roots, parents, b_set, split)
     whole = [n for n in intermediates if n not in split and runs_whole(n)]
     once = dict.fromkeys(whole) if whole and _once() else {}
     eager = [n for n in intermediates if n not in split and n not in once]
     regions = [n for n in intermediates if n in split or n in once]
-    index_of = {n: k for k, n in enumerate(eager)}
-    region_index_of = {n: k for k, n in enumerate(regions)}
-    groups = _group_weights(starts, index_of, region_index_of, node_of)
+    groups = _group_weights(starts, {n: k for k, n in enumerate(eager)}, {n: k for k, n in enumerate(regions)}, node_of)
     rerun: set[Node] = set()
     release: list[Node] = []
     above: list[Node] = []
