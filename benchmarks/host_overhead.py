@@ -12,6 +12,7 @@ graphs' own ratio. Medians of the per-round ratios, with their quartiles.
     python -m benchmarks.host_overhead --threads 2 --reps 500
     python -m benchmarks.host_overhead --lines         # also: lines of Python each backward runs
     python -m benchmarks.host_overhead --unused-parameter   # the stage also holds a parameter it never uses
+    python -m benchmarks.host_overhead --frozen-and-shared  # and a frozen Linear, and a Linear used twice
 
 ``--lines`` counts, once after the timed rounds, the lines of Python that an
 ordinary backward, a B and a W execute outside the compiled graphs' own code
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                    help="also count the lines of Python run outside the graphs per ordinary backward, B and W")
     p.add_argument("--unused-parameter", action="store_true",
                    help="give the stage a parameter its forward never uses (a middle stage's token embedding)")
+    p.add_argument("--frozen-and-shared", action="store_true",
+                   help="follow the stage with a frozen Linear and a Linear applied twice (a tied weight)")
     args = p.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         p.error("--reps and --threads must be at least 1")
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     module = copy.deepcopy(stage.module)
     if args.unused_parameter:
         module = _WithUnused(module)
+    if args.frozen_and_shared:
+        module = _FrozenAndShared(module, stage.make_input().shape[-1])
     before = fxsplit.compiled_regions()
     model = torch.compile(module, backend=fxsplit.backend(compiler=args.compiler))
     x = stage.make_input().detach().requires_grad_()
@@ -98,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     outside = [(s - sg) / (f - fg) for f, fg, s, sg in rows]
     graphs = [sg / fg for _, fg, _, sg in rows]
     total = [s / f for f, _, s, _ in rows]
-    print(f"{args.config}{' + an unused parameter' if args.unused_parameter else ''}, {args.compiler}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} rounds; "
+    extra = (" + an unused parameter" if args.unused_parameter else "") + (
+        " + a frozen and a shared Linear" if args.frozen_and_shared else "")
+    print(f"{args.config}{extra}, {args.compiler}, {args.threads} thread(s), torch {torch.__version__}, {args.reps} rounds; "
           "medians (quartiles) of per-round ratios, B + W over the fused backward:")
     print(f"  host time outside the graphs: {_q(outside)}  "
           f"(fused {statistics.median(f - fg for f, fg, _, _ in rows) / 1e3:.0f} us, "
@@ -137,6 +144,23 @@ class _WithUnused(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.stage(x)
+
+
+class _FrozenAndShared(torch.nn.Module):
+    """A stage followed by a frozen Linear (a weight that needs no gradient,
+    given to B and W with the others) and a Linear applied twice (one weight,
+    two uses in one region)."""
+
+    def __init__(self, stage: torch.nn.Module, width: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.frozen = torch.nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.shared = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.frozen(self.stage(x))
+        return h + self.shared(torch.tanh(self.shared(h)))
 
 
 def _graph_code() -> Callable[[str], bool]:

@@ -289,3 +289,48 @@ def test_b_plans_once_then_replays_and_every_guard_miss_plans_again(shape: str, 
         before = len(walks)
         microbatch((3, 5, D))  # a new shape: a recompiled region (another node class)
         assert len(walks) > before, "new shape: the plan was replayed"
+
+
+def test_w_plans_again_when_fused_accumulation_is_switched(monkeypatch: Any) -> None:
+    """W's kept commit plan is guarded by the switch it was made under:
+    ``stage_backward_weight(..., fused_accumulation=False)`` and
+    ``fxsplit.config.fused_accumulation = False`` each make W plan again and
+    commit through autograd (nothing accumulated in the graph), switching back
+    replays the first plan, and every ``.grad`` is ordinary backward's
+    (compiled and uncompiled copies)."""
+    from fxsplit import pending
+
+    planned: list[int] = []
+    plan_commits = pending.plan_commits
+    monkeypatch.setattr(pending, "plan_commits", lambda *a: planned.append(1) or plan_commits(*a))
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Block()
+    ref, eager = copy.deepcopy(model), copy.deepcopy(model)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    fn, ref_fn = torch.compile(model, backend=backend), torch.compile(ref, backend=backend)
+    params = list(model.parameters())
+
+    def microbatch(switch: bool | None = None) -> Any:
+        x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        (g,), work = fxsplit.stage_backward_input([fn(xs[0])], [dy], [xs[0]], params)
+        fxsplit.stage_backward_weight(params, work, fused_accumulation=switch)
+        ref_fn(xs[1]).backward(dy)
+        eager(xs[2]).backward(dy)
+        for k, other in ((1, ref), (2, eager)):
+            torch.testing.assert_close(g, xs[k].grad)
+            for p, q in zip(model.parameters(), other.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **({} if other is ref else {"rtol": 2e-5, "atol": 1e-5}))
+        return work
+
+    for _ in range(3):  # .grad empty, then set: two plans, the second replayed
+        work = microbatch()
+    assert len(planned) == 2 and work.accumulated_in_graph
+    work = microbatch(switch=False)
+    assert len(planned) == 3 and not work.accumulated_in_graph
+    with fxsplit.config.patch(fused_accumulation=False):
+        work = microbatch()
+    assert len(planned) == 4 and not work.accumulated_in_graph
+    work = microbatch()
+    assert len(planned) == 4 and work.accumulated_in_graph  # the first plan again, replayed
