@@ -67,7 +67,7 @@ from torch.autograd.graph import GradientEdge, Node
 from fxsplit import _torch_internals as ti
 from fxsplit import config
 from fxsplit.stage_plan import EagerWeightPlan
-from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, registered
+from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, Gradients, registered
 
 __all__ = [
     "CommitPlan", "EagerGroup", "PendingWeightGrads", "WeightCommit", "accumulates_like_autograd",
@@ -381,7 +381,7 @@ def _taken(
     and no gradient is a view or anyone else's, every pair is decided at
     once (C-level passes, the live-ins read only as far as that needs)."""
     if _guarded(record.owner, weights, grads):
-        if all(map(operator.is_, map(_base_of, grads), itertools.repeat(None))) and shared.isdisjoint(ptrs) and (
+        if all(map(operator.is_, map(_base_of, grads), _NONES)) and shared.isdisjoint(ptrs) and (
             None not in ptrs and record.holds_none_of(set(ptrs))
         ):
             return [True] * len(weights)
@@ -405,6 +405,11 @@ def _storages(grads: list[Any]) -> list[int | None]:
     return [ti.storage_ptr(g) if type(g) is torch.Tensor else None for g in grads]
 
 
+def _hooks(weights: Sequence[torch.Tensor]) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Which weights have tensor hooks, and which post-accumulate-grad hooks."""
+    return tuple(map(bool, map(_tensor_hooks_of, weights))), tuple(map(bool, map(_post_hooks_of, weights)))
+
+
 def _repeated(ptrs: list[int | None]) -> set[int | None]:
     """The storages more than one gradient has (someone else's too, for each)."""
     if len(set(ptrs)) == len(ptrs):
@@ -417,6 +422,8 @@ def _repeated(ptrs: list[int | None]) -> set[int | None]:
 
 
 # Readers for C-level iteration over weights, gradients and (weight, ..., gradient) tuples.
+_NONE: Gradients = ((), (), ())  # no gradient to commit
+_NONES = itertools.repeat(None)  # (endless: map stops at its other argument's end)
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 _third = operator.itemgetter(2)
@@ -426,6 +433,7 @@ _base_of = operator.attrgetter("_base")
 _tensor_hooks_of = operator.attrgetter("_backward_hooks")
 _post_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
 _grad_dtype_of = operator.attrgetter("grad_dtype")
+_dtype_of = operator.attrgetter("dtype")
 
 # Every torch fxsplit supports has both on every tensor (None when unset);
 # where one lacks them, W plans on every call instead of keeping plans.
@@ -927,17 +935,22 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         kept, weights = self._kept, self._weights
         if kept is None or self._committed or not _GUARDABLE:
             return plan_commits(self.compiled, self.groups, weights, self._committed, switch, default)
+        # The common states read in C-level passes that stop early: no .grad, no hook, no grad_dtype.
         grads = list(map(_grad_of, weights))
-        present = tuple(map(operator.is_not, grads, itertools.repeat(None)))
-        key = (switch, default, present, tuple(map(bool, map(_tensor_hooks_of, weights))),
-               tuple(map(bool, map(_post_hooks_of, weights))), tuple(map(_grad_dtype_of, weights)))
-        tensors = [*weights, *itertools.compress(grads, present)]
+        present = None if all(map(operator.is_, grads, _NONES)) else tuple(map(operator.is_not, grads, _NONES))
+        hooks = _hooks(weights) if any(map(_tensor_hooks_of, weights)) or any(map(_post_hooks_of, weights)) else None
+        dtyped = not all(map(operator.is_, map(_grad_dtype_of, weights), map(_dtype_of, weights)))  # (a leaf's default)
+        key = (switch, default, present, hooks, tuple(map(_grad_dtype_of, weights)) if dtyped else None)
+        # What plan_commits reads of the tensors: with no .grad and every grad_dtype the
+        # weight's dtype, nothing (requires_grad is B's plan's guard); else every weight's
+        # and .grad's metadata.
+        tensors = [*weights, *itertools.compress(grads, present or ())] if present or dtyped else None
         for k, guard, plan in kept:
-            if k == key and guard(*tensors):
+            if k == key and (guard is None or guard(*tensors)):
                 return plan
         plan = plan_commits(self.compiled, self.groups, weights, self._committed, switch, default)
-        guard = ti.metadata_guard(tensors)
-        if guard is not None:
+        guard = None if tensors is None else ti.metadata_guard(tensors)
+        if tensors is None or guard is not None:
             if len(kept) >= MAX_COMMIT_PLANS:
                 del kept[0]
             kept.append((key, guard, plan))
@@ -972,7 +985,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # The accumulating dW graphs, compiled on first use: a compile error here changes nothing.
         accumulating = self._accumulating_graphs(plan) if plan.accumulate else {}
         # Compute: pure, so an exception here changes nothing.
-        results: list[list[tuple[torch.Tensor, Any, torch.Tensor]]] = [[]] * len(records)  # (replaced, never changed)
+        results: list[Gradients] = [_NONE] * len(records)  # (each replaced, never changed)
         for i in plan.compute:
             if i not in accumulating:
                 results[i] = records[i].compute(select, self.timings)
@@ -992,7 +1005,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             self._committed.update(map(id, fused))
             self.accumulated_in_graph.extend(map(plan.position.__getitem__, map(id, fused)))
         direct = self._takes(plan, results) if plan.take else ([], [])
-        return (self._engine_commits(results, plan.wanted) if self.groups or any(results) else []), direct
+        return (self._engine_commits(results, plan.wanted) if self.groups or any(map(_third, results)) else []), direct
 
     def _accumulating_graphs(self, plan: CommitPlan) -> dict[int, tuple[ti.BoxedCallable, tuple[int, ...]]]:
         """Per record of ``plan.accumulate``, the dW graph adding the gradients
@@ -1023,7 +1036,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         return found
 
     def _takes(
-        self, plan: CommitPlan, results: list[list[tuple[torch.Tensor, Any, torch.Tensor]]]
+        self, plan: CommitPlan, results: list[Gradients]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Take out of ``results`` the gradients of ``plan.take`` that an empty
         ``.grad`` takes as they are (:func:`_takes_as_is`). A storage two
@@ -1031,44 +1044,44 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         input gradients B returned), is someone else's too: autograd would
         copy it. Autograd's engine would otherwise make exactly this
         assignment, at the cost of an engine call."""
-        ptrs = _storages(list(map(_third, itertools.chain.from_iterable(results))))
+        ptrs = _storages(list(itertools.chain.from_iterable(map(_third, results))))
         shared = _repeated(ptrs)
         taken_weights: list[torch.Tensor] = []
         taken_grads: list[torch.Tensor] = []
         end = 0
-        for i, triples in enumerate(results):
-            start, end = end, end + len(triples)
-            weights = list(map(_first, triples))
-            every = i in plan.take_every
-            picked = range(len(weights)) if every else [k for k, w in enumerate(weights) if id(w) in plan.take]
-            if not picked:
-                continue
-            grads, mine = list(map(_third, triples)), ptrs[start:end]
-            if every:
+        for i, (weights, accumulators, grads) in enumerate(results):
+            start, end = end, end + len(weights)
+            mine = ptrs[start:end]
+            if i in plan.take_every:
+                picked: Sequence[int] = range(len(weights))
                 ok = _taken(self.compiled[i], weights, grads, mine, shared)
+                if all(ok):  # every gradient of the region (the common case)
+                    taken_weights += weights
+                    taken_grads += grads
+                    results[i] = _NONE
+                    continue
             else:
+                picked = [k for k, w in enumerate(weights) if id(w) in plan.take]
+                if not picked:
+                    continue
                 ok = _taken(self.compiled[i], [weights[k] for k in picked], [grads[k] for k in picked],
                             [mine[k] for k in picked], shared)
-            if every and all(ok):  # every gradient of the region (the common case)
-                taken_weights += weights
-                taken_grads += grads
-                results[i] = []
-            else:
-                taken = {k for k, yes in zip(picked, ok) if yes}
-                taken_weights += [weights[k] for k in sorted(taken)]
-                taken_grads += [grads[k] for k in sorted(taken)]
-                results[i] = [t for k, t in enumerate(triples) if k not in taken]
+            taken = {k for k, yes in zip(picked, ok) if yes}
+            taken_weights += [weights[k] for k in sorted(taken)]
+            taken_grads += [grads[k] for k in sorted(taken)]
+            rest = [k for k in range(len(weights)) if k not in taken]
+            results[i] = [weights[k] for k in rest], [accumulators[k] for k in rest], [grads[k] for k in rest]
         return taken_weights, taken_grads
 
     def _engine_commits(
-        self, results: list[list[tuple[torch.Tensor, Any, torch.Tensor]]], wanted: frozenset[int]
+        self, results: list[Gradients], wanted: frozenset[int]
     ) -> list[WeightCommit]:
         """One commit per eager group (with the compiled gradients of its
         weights), then one for the weights only compiled regions reach; a
         weight with gradients from several places gets them all (the engine
         sums them)."""
         by_weight: dict[int, tuple[torch.Tensor, Node, list[torch.Tensor]]] = {}
-        for p, acc, g in itertools.chain.from_iterable(results):
+        for p, acc, g in itertools.chain.from_iterable(itertools.starmap(zip, results)):
             entry = by_weight.setdefault(id(p), (p, acc, []))
             entry[2].append(g)
         commits: list[WeightCommit] = []

@@ -34,6 +34,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
 import torch
@@ -213,6 +214,11 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> tuple[torch.Tenso
         _direct.node = prev
 
 
+# What a region's dW graph gives W: the weights, their grad accumulators and their
+# gradients, as three lists of one length (CompiledWeightWork.compute).
+Gradients = tuple[Sequence[torch.Tensor], Sequence[Any], Sequence[torch.Tensor]]
+
+
 class CompiledWeightWork:
     """The W half of one compiled region for one microbatch: dW graph + live-ins.
 
@@ -280,7 +286,11 @@ class CompiledWeightWork:
             raise RuntimeError(f"fxsplit: the W work of {self.region} has already been committed")
         return self._live_ins
 
-    def _select(self, grads: Sequence[Any], wanted: set[int] | None) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+    def _select(self, grads: Sequence[Any], wanted: AbstractSet[int] | None) -> Gradients:
+        """The weights, grad accumulators and gradients W commits of this
+        region's, as three lists: those given to B, whose ``id`` is in
+        ``wanted`` (all when ``None``), with a gradient (``None``: accumulated
+        inside the dW graph). The caller must not change the lists."""
         params = self.params
         none = itertools.repeat(None)
         if (
@@ -288,20 +298,16 @@ class CompiledWeightWork:
             and not any(map(operator.is_, grads, none))
             and (wanted is None or wanted.issuperset(map(id, params)))
         ):  # every weight given to B and wanted, every gradient computed (the common case)
-            return list(zip(params, self.accumulators, grads))
+            return params, self.accumulators, grads
         if all(map(operator.is_, grads, none)):  # every gradient accumulated inside the dW graph
-            return []
-        return [
-            (p, acc, g)
-            for p, acc, g in zip(self.params, self.accumulators, grads)
-            if p is not None and g is not None and (wanted is None or id(p) in wanted)
-        ]
+            return (), (), ()
+        kept = [(p, acc, g) for p, acc, g in zip(params, self.accumulators, grads)
+                if p is not None and g is not None and (wanted is None or id(p) in wanted)]
+        return [t[0] for t in kept], [t[1] for t in kept], [t[2] for t in kept]
 
-    def compute(
-        self, wanted: set[int] | None = None, timings: dict[str, int] | None = None
-    ) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
-        """Run the dW graph; ``(weight, grad accumulator, grad)`` for the weights
-        whose ``id`` is in ``wanted`` (all when ``None``). Changes nothing
+    def compute(self, wanted: AbstractSet[int] | None = None, timings: dict[str, int] | None = None) -> Gradients:
+        """Run the dW graph; the weights, grad accumulators and gradients (:meth:`_select`)
+        of the weights whose ``id`` is in ``wanted`` (all when ``None``). Changes nothing
         observable: the live-ins stay held until :meth:`release`. The time
         inside the graph is added to ``timings["w_graph_ns"]``."""
         # Pass a copy: compiled graphs clear their argument list.
@@ -312,9 +318,9 @@ class CompiledWeightWork:
         self,
         graph: ti.BoxedCallable,
         positions: Sequence[int],
-        wanted: set[int] | None = None,
+        wanted: AbstractSet[int] | None = None,
         timings: dict[str, int] | None = None,
-    ) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+    ) -> Gradients:
         """Run ``graph``, the dW graph accumulating the gradients of the weights
         at ``positions`` (indices into :attr:`params`, plain weights) into their
         ``.grad`` (:meth:`CompiledSplitBackward.accumulating_graph`), and return
