@@ -571,17 +571,23 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def storage_ptrs(values: Sequence[Any]) -> set[int]:
-    """:func:`storage_ptr` of each plain tensor among ``values`` (other values
-    are skipped); where all start their storage, read in bulk (a tensor's
-    data pointer is then its storage's)."""
-    tensors = values if all_plain(values) else [t for t in values if type(t) is _PLAIN]
+def storage_ptr_list(values: Sequence[Any]) -> list[int | None]:
+    """:func:`storage_ptr` of each value, in order, ``None`` for anything but a
+    plain tensor (a DTensor's local storage is not its own to compare); where
+    all are plain and start their storage, read in bulk (a tensor's data
+    pointer is then its storage's)."""
     try:
-        if not any(map(_storage_offset, tensors)):
-            return set(map(_data_ptr, tensors))
+        if all_plain(values) and not any(map(_storage_offset, values)):
+            return list(map(_data_ptr, values))
     except RuntimeError:  # a layout without strided storage: storage_ptr decides
         pass
-    return {storage_ptr(t) for t in tensors}
+    return [storage_ptr(t) if type(t) is _PLAIN else None for t in values]
+
+
+def storage_ptrs(values: Sequence[Any]) -> set[int]:
+    """The storages of the plain tensors among ``values`` (:func:`storage_ptr_list`)."""
+    tensors = values if all_plain(values) else [t for t in values if type(t) is _PLAIN]
+    return set(storage_ptr_list(tensors))  # type: ignore[arg-type]
 
 
 def all_plain(values: Sequence[Any]) -> bool:

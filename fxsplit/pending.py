@@ -396,15 +396,6 @@ def _taken(
     return [ok and g._base is None and p not in avoid for ok, g, p in zip(laid_out, grads, ptrs)]
 
 
-def _storages(grads: list[Any]) -> list[int | None]:
-    """Each plain gradient's storage (data pointer), ``None`` for any other
-    value (a DTensor's local storage is not its own to compare); read in bulk
-    where every gradient starts its storage."""
-    if ti.all_plain(grads) and not any(map(torch.Tensor.storage_offset, grads)):
-        return list(map(torch.Tensor.data_ptr, grads))
-    return [ti.storage_ptr(g) if type(g) is torch.Tensor else None for g in grads]
-
-
 def _hooks(weights: Sequence[torch.Tensor]) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """Which weights have tensor hooks, and which post-accumulate-grad hooks."""
     return tuple(map(bool, map(_tensor_hooks_of, weights))), tuple(map(bool, map(_post_hooks_of, weights)))
@@ -1044,7 +1035,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         input gradients B returned), is someone else's too: autograd would
         copy it. Autograd's engine would otherwise make exactly this
         assignment, at the cost of an engine call."""
-        ptrs = _storages(list(itertools.chain.from_iterable(map(_third, results))))
+        ptrs = ti.storage_ptr_list(list(itertools.chain.from_iterable(map(_third, results))))
         shared = _repeated(ptrs)
         taken_weights: list[torch.Tensor] = []
         taken_grads: list[torch.Tensor] = []
