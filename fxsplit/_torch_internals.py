@@ -433,6 +433,45 @@ def mark_user_visible_outputs(gm: fx.GraphModule, visible: Sequence[int]) -> Non
     gm.graph.output_node().meta["user_visible_output_idxs"] = list(visible)
 
 
+# Hooks on an autograd node (``grad_fn.register_hook`` / ``register_prehook``)
+# are held in C++ with no Python-visible query; the engine runs them. B may
+# call a region's node itself (``fxsplit.config.direct_b``), which would not:
+# so the registration of either on a custom-Function node (an AOTAutograd
+# region's node is one) marks the node, and B takes the engine for a marked
+# node. Installed on ``BackwardCFunction`` when the first fxsplit region is
+# compiled, before any region's node exists; the methods still register the
+# hook as before and return its handle.
+_HOOKED = "_fxsplit_node_hooked"
+
+
+def watch_node_hooks() -> None:
+    """Make every custom-Function node record that a hook was registered on it
+    (:func:`node_has_hooks`). Idempotent."""
+    cls = torch.autograd.function.BackwardCFunction
+    if _HOOKED in cls.__dict__:
+        return
+    base_hook, base_prehook = cls.register_hook, cls.register_prehook
+
+    def register_hook(self: Any, fn: Callable[..., Any]) -> Any:
+        setattr(self, _HOOKED, True)
+        return base_hook(self, fn)
+
+    def register_prehook(self: Any, fn: Callable[..., Any]) -> Any:
+        setattr(self, _HOOKED, True)
+        return base_prehook(self, fn)
+
+    functools.update_wrapper(register_hook, base_hook)
+    functools.update_wrapper(register_prehook, base_prehook)
+    cls.register_hook, cls.register_prehook = register_hook, register_prehook
+    setattr(cls, _HOOKED, False)
+
+
+def node_has_hooks(node: Any) -> bool:
+    """Whether a hook was ever registered on ``node`` (a custom-Function node
+    created after :func:`watch_node_hooks`; a removed hook still counts)."""
+    return getattr(node, _HOOKED, False)
+
+
 def current_autograd_node() -> Any:
     """The autograd node the engine is running on this thread (the AOTAutograd
     ``ctx`` when called from a compiled backward). Relies on

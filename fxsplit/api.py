@@ -453,7 +453,8 @@ def _direct_call(
     ``None``: every forward argument of the region a tensor (the node's
     results are then its edges'); every output the node's, each once; each
     target entering the node by one edge of its own; no tensor hook or
-    ``retain_grad`` on any of them (the engine would run them); anomaly mode
+    ``retain_grad`` on any of them, no hook on the node (the engine would run
+    them: :func:`fxsplit._torch_internals.node_has_hooks`); anomaly mode
     off; on CUDA, the current stream the default one."""
     flag = config.direct_b
     if flag is False or len(plan.split_regions) != 1 or torch.is_anomaly_enabled():
@@ -466,7 +467,7 @@ def _direct_call(
     if edges is None:
         return None
     by_output = _gradients_by_output(node, outs, grads)
-    if by_output is None or any(x._backward_hooks or x.retains_grad for x in targets):
+    if by_output is None or ti.node_has_hooks(node) or any(x._backward_hooks or x.retains_grad for x in targets):
         return None
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None

@@ -567,6 +567,7 @@ def _compile_region(
     is_param = [isinstance(e, torch.nn.Parameter) for e in example_inputs]
     is_tensor = [isinstance(e, torch.Tensor) for e in example_inputs]
     inner = _inner_compile_for(opts)
+    ti.watch_node_hooks()  # before the region's first node exists (see fxsplit.api._direct_call)
 
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
         if kw.get("is_backward"):

@@ -167,8 +167,16 @@ def _input_hook(out: torch.Tensor, x: torch.Tensor, seen: list[str]) -> None:
     x.register_hook(lambda grad: seen.append("input"))
 
 
-@pytest.mark.parametrize("observe", [_output_hook, _output_retain_grad, _input_hook],
-                         ids=["output_hook", "output_retain_grad", "input_hook"])
+def _node_hook(out: torch.Tensor, x: torch.Tensor, seen: list[str]) -> None:
+    out.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append("node"))
+
+
+def _node_prehook(out: torch.Tensor, x: torch.Tensor, seen: list[str]) -> None:
+    out.grad_fn.register_prehook(lambda grad_outputs: seen.append("node pre"))
+
+
+@pytest.mark.parametrize("observe", [_output_hook, _output_retain_grad, _input_hook, _node_hook, _node_prehook],
+                         ids=["output_hook", "output_retain_grad", "input_hook", "node_hook", "node_prehook"])
 def test_b_goes_through_the_engine_where_it_would_run_a_hook(observe: Callable[..., None]) -> None:
     model, x, g = _stage()
     ordinary = copy.deepcopy(model)
