@@ -472,6 +472,38 @@ def node_has_hooks(node: Any) -> bool:
     return getattr(node, _HOOKED, False)
 
 
+def aot_saved_args(node: Any) -> list[Any]:
+    """What AOTAutograd's backward wrapper puts before the incoming gradients
+    in its compiled backward's arguments, read from a region's node (its
+    ``ctx``): ``[*ctx.symints, *ctx.saved_tensors, *ctx.opaque_objects]``
+    (``runtime_wrappers._backward_prologue``; ``opaque_objects`` from torch
+    2.13). Reading ``saved_tensors`` unpacks them, with autograd's check that
+    none was modified in place. :class:`fxsplit.runtime.AotCall` checks this
+    reading against the wrapper's own before relying on it."""
+    return [*node.symints, *node.saved_tensors, *getattr(node, "opaque_objects", ())]
+
+
+def aot_saved_parts(node: Any) -> tuple[list[Any], int, list[Any]]:
+    """:func:`aot_saved_args` without unpacking the saved tensors (an unpack
+    may run a saved-tensor hook that allows one, as non-reentrant
+    checkpointing's does): the symbolic sizes, how many tensors were saved
+    (``ctx._raw_saved_tensors``), the opaque objects."""
+    return list(node.symints), len(node._raw_saved_tensors), list(getattr(node, "opaque_objects", ()))
+
+
+def aot_backward_state() -> tuple[bool, bool, bool]:
+    """What AOTAutograd's backward wrapper reads from the thread to decide how
+    to call the compiled backward: whether autocast is on anywhere (it turns
+    it off for graphs compiled under it), whether deterministic algorithms
+    are on (it refuses graphs compiled without), whether a functorch
+    transform is active (it refuses any)."""
+    return (
+        torch._C._is_any_autocast_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch._C._functorch.peek_interpreter_stack() is not None,
+    )
+
+
 def current_autograd_node() -> Any:
     """The autograd node the engine is running on this thread (the AOTAutograd
     ``ctx`` when called from a compiled backward). Relies on

@@ -196,8 +196,113 @@ class registered:  # noqa: N801 - used as a function: ``with registered(nodes, c
             setattr(node, _CALL_ATTR, None)
 
 
-# The node run_directly is running on this thread (the engine reports none then).
+# The node run_directly is running on this thread (the engine reports none
+# then), and the _Probe of a call that learns the node's AotCall.
 _direct = threading.local()
+# On a region's autograd node class: (its CompiledSplitBackward, its AotCall).
+_AOT_CALL = "_fxsplit_aot_call"
+
+
+class AotCall:
+    """How AOTAutograd's backward wrapper made a region's compiled-backward
+    arguments from its node, so that B can make them itself and call the
+    region's dI graph with no wrapper in between (it runs about as many lines
+    of Python as the rest of B).
+
+    Learned from one call through the wrapper (:func:`run_directly`), and
+    kept only where that call showed the wrapper to be plain bookkeeping: its
+    arguments were the node's saved values as
+    :func:`fxsplit._torch_internals.aot_saved_args` reads them (checked
+    without unpacking the saved tensors again: :meth:`_Probe.read`) followed
+    by the incoming gradients themselves, unchanged (each the same tensor
+    object: no layout coerced, no subclass unwrapped, no zeros made for a
+    missing one), and it returned the
+    backward's results themselves (no token, RNG-offset or subclass
+    epilogue). :meth:`args` is the guard for a later call: the same output
+    numbers given gradients, each with the shape and strides the learned call
+    had (those decide the wrapper's layout coercion), the same
+    :func:`fxsplit._torch_internals.aot_backward_state` with autocast off,
+    and as many saved values. A miss returns ``None`` and B goes through the
+    wrapper, learning from that call where it shows bookkeeping only (it
+    replaces the earlier :class:`AotCall`; a call that shows more keeps it).
+    """
+
+    __slots__ = ("prefix", "tangents", "layouts", "state")
+
+    def __init__(self, prefix: int, tangents: tuple[int, ...], layouts: list[Any], state: tuple[bool, ...]) -> None:
+        self.prefix = prefix
+        self.tangents = tangents
+        self.layouts = layouts
+        self.state = state
+
+    def args(self, node: Any, grads: dict[int, torch.Tensor]) -> list[Any] | None:
+        """The compiled backward's arguments for ``node`` given ``grads`` (by
+        input number), or ``None`` where the guard misses."""
+        if len(grads) != len(self.tangents) or ti.aot_backward_state() != self.state:
+            return None
+        try:
+            gs = [grads[k] for k in self.tangents]
+        except KeyError:
+            return None
+        if [(g.shape, g.stride()) for g in gs] != self.layouts:
+            return None
+        args = ti.aot_saved_args(node)
+        if len(args) != self.prefix:
+            return None
+        args += gs
+        return args
+
+    @staticmethod
+    def learn(probe: _Probe, results: Sequence[Any]) -> AotCall | None:
+        """The :class:`AotCall` that ``probe``'s call through the wrapper shows,
+        or ``None`` where the wrapper did more than bookkeeping."""
+        tangents, grads = probe.tangents, probe.grads
+        if tangents is None or probe.result is None or probe.state[0]:
+            return None
+        if len(results) != len(probe.result) or not all(map(operator.is_, results, probe.result)):
+            return None
+        return AotCall(probe.prefix_len, tangents, [(grads[k].shape, grads[k].stride()) for k in tangents], probe.state)
+
+
+class _Probe:
+    """What :func:`run_directly` needs to learn an :class:`AotCall`: the node,
+    the gradients given, and what :meth:`read` and
+    :meth:`CompiledSplitBackward.__call__` saw of the wrapper's call."""
+
+    __slots__ = ("node", "grads", "state", "prefix_len", "tangents", "result", "owner")
+
+    def __init__(self, node: Any, grads: dict[int, torch.Tensor]) -> None:
+        self.node = node
+        self.grads = grads
+        self.state = ti.aot_backward_state()
+        self.prefix_len = 0
+        self.tangents: tuple[int, ...] | None = None
+        self.result: list[Any] | None = None
+        self.owner: CompiledSplitBackward | None = None
+
+    def read(self, owner: CompiledSplitBackward, args: list[Any]) -> None:
+        """Compare the wrapper's arguments ``args`` with the node's saved
+        values (:func:`fxsplit._torch_internals.aot_saved_parts`: the symbolic
+        sizes and opaque objects themselves, as many tensors as it saved,
+        read without unpacking them again) and the gradients: ``tangents`` is
+        the input number of each gradient argument where they are those,
+        unchanged, in that order; else ``None``."""
+        self.owner = owner
+        symints, saved, opaque = ti.aot_saved_parts(self.node)
+        n = self.prefix_len = len(symints) + saved + len(opaque)
+        if len(args) != n + len(self.grads):
+            return
+        middle = args[len(symints):len(symints) + saved]
+        if not (
+            args[:len(symints)] == symints
+            and all(isinstance(t, torch.Tensor) or t is None for t in middle)
+            and all(map(operator.is_, args[n - len(opaque):n], opaque))
+        ):
+            return
+        by_id = {id(g): k for k, g in self.grads.items()}
+        tangents = tuple(by_id.get(id(t), -1) for t in args[n:])
+        if -1 not in tangents and len(set(tangents)) == len(tangents):
+            self.tangents = tangents
 
 
 def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
@@ -205,13 +310,26 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> tuple[torch.Tenso
     ``grads`` flowing into its inputs, as its registration says (B: the dI
     graph only): the gradient for each of its ``next_functions``. Its W
     work goes where the registration sends it (records, hand-overs); the
-    weight gradients returned are ``None`` in B."""
+    weight gradients returned are ``None`` in B. Where the node's
+    :class:`AotCall` is known and its guard holds, the region's compiled
+    backward is called with no AOTAutograd wrapper; otherwise through it,
+    learning the :class:`AotCall` for the next call."""
+    known = type(node).__dict__.get(_AOT_CALL)
+    args = known[1].args(node, grads) if known is not None else None
+    if args is not None:
+        return known[0].run_unwrapped(node, args)
     prev = getattr(_direct, "node", None)
     _direct.node = node
+    _direct.probe = probe = _Probe(node, grads)
     try:
-        return ti.run_node_outside_engine(node, grads)
+        results = ti.run_node_outside_engine(node, grads)
     finally:
         _direct.node = prev
+        _direct.probe = None
+    learned = AotCall.learn(probe, results) if probe.owner is not None else None
+    if learned is not None:  # (a call the wrapper changed leaves an earlier one's AotCall as it was)
+        setattr(type(node), _AOT_CALL, (probe.owner, learned))
+    return results
 
 
 # What a region's dW graph gives W: the weights, their grad accumulators and their
@@ -596,7 +714,8 @@ class CompiledSplitBackward(CompiledGraphs):
     ``dw_runs``; a dW run that accumulates into ``.grad`` counts as a dW run
     and also in ``accumulating_runs``; a dI run B made by calling the
     region's node itself rather than through autograd's engine, see
-    :data:`fxsplit.config.direct_b`, also in ``direct_b_runs``), ``graph_ns`` the time spent inside
+    :data:`fxsplit.config.direct_b`, also in ``direct_b_runs``, and in ``unwrapped_b_runs`` where
+    it also skipped AOTAutograd's wrapper, see :class:`AotCall`), ``graph_ns`` the time spent inside
     each kind of graph, ``compile_seconds`` the time each compile took.
     """
 
@@ -650,7 +769,7 @@ class CompiledSplitBackward(CompiledGraphs):
         # autograd node by the first split backward (see _input_only).
         self._subclass_grads: ti.SubclassGradients | None = None
         self.stats = {"fused_runs": 0, "di_runs": 0, "dw_runs": 0}
-        self.accumulating_runs = self.direct_b_runs = 0
+        self.accumulating_runs = self.direct_b_runs = self.unwrapped_b_runs = 0
         self.graph_ns = {"fused": 0, "dI": 0, "dW": 0}
         # Conforms what compiled dI returns to what autograd and dW expect
         # (built with dW, whose input layouts it checks).
@@ -842,7 +961,27 @@ class CompiledSplitBackward(CompiledGraphs):
         if call is SPLIT_DONE:
             args.clear()
             return [None] * self.split.num_outputs
-        return self._input_only(call, node, args)
+        probe = getattr(_direct, "probe", None)
+        if probe is None or probe.node is not node:
+            return self._input_only(call, node, args)
+        probe.read(self, args)
+        probe.result = self._input_only(call, node, args)
+        return probe.result
+
+    def run_unwrapped(self, node: Any, args: list[Any]) -> tuple[Any, ...]:
+        """B's call of this region's backward for ``node`` as AOTAutograd's
+        wrapper would make it, on the arguments it would pass
+        (:class:`AotCall`): with grad mode off, as the engine runs it."""
+        call = getattr(node, _CALL_ATTR, None)
+        if not isinstance(call, InputCall):
+            raise RuntimeError(f"fxsplit: {self.name}: B called its backward with no split call registered")
+        self.unwrapped_b_runs += 1
+        enabled = torch.is_grad_enabled()
+        ti.set_grad_enabled(False)
+        try:
+            return tuple(self._input_only(call, node, args))
+        finally:
+            ti.set_grad_enabled(enabled)
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
         # The plan's reading of the node's edges, where B's plan made one.

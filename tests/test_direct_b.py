@@ -14,7 +14,9 @@ that it runs here as it does on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -255,3 +257,134 @@ def test_auto_keeps_the_engine_for_cpu_tensors() -> None:
     with fxsplit.config.patch(direct_b="auto"):
         _split_step(model, fn, x, g)
     assert region.direct_b_runs == 0 and region.stats["di_runs"] == 1
+
+
+class _SavesItsOutput(nn.Module):
+    """A block whose compiled region saves a forward output for backward (tanh's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(x))
+
+
+def _layouts_and_states() -> list[tuple[str, Callable[[], Any], torch.Tensor]]:
+    """(what differs, a context B runs in, the output gradient) for microbatches
+    where AOTAutograd's wrapper does not pass things through unchanged, or the
+    thread differs from the call B learned from."""
+    torch.manual_seed(1)
+    strided = torch.randn(8, 4).t()  # another layout: the wrapper makes it contiguous
+    plain = torch.randn(4, 8)
+    return [
+        ("learned", contextlib.nullcontext, plain),
+        ("strided gradient", contextlib.nullcontext, strided),
+        ("autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16), plain),
+        ("deterministic", _deterministic, plain),
+        ("learned again", contextlib.nullcontext, plain),
+    ]
+
+
+def _b_then_w(model: nn.Module, out: torch.Tensor, g: torch.Tensor, xi: torch.Tensor) -> torch.Tensor | None:
+    params = list(model.parameters())
+    (dx,), work = fxsplit.stage_backward_input([out], [g], [xi], params)
+    fxsplit.stage_backward_weight(params, work)
+    return dx
+
+
+@contextlib.contextmanager
+def _deterministic() -> Any:
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("block", [GeluResidual, _SavesItsOutput], ids=["gelu_residual", "saves_its_output"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_b_skips_aotautograds_wrapper_after_learning_it_and_matches_ordinary_backward(
+    block: type[nn.Module], compiler: str
+) -> None:
+    torch.manual_seed(0)
+    model = block()
+    ordinary = copy.deepcopy(model)
+    engine = copy.deepcopy(model)
+    fn, ref_fn = _compiled(model, compiler), _compiled(ordinary, compiler)
+    engine_fn = _compiled(engine, compiler)
+    x = torch.randn(4, 8)
+    region = _region_of(fn, x)
+    unwrapped = []
+    for what, context, g in _layouts_and_states():
+        before = region.unwrapped_b_runs
+        xs = [x.detach().requires_grad_() for _ in range(3)]
+        outs = [f(xi) for f, xi in zip((fn, engine_fn, ref_fn), xs)]  # (forwards outside the context)
+        if what == "deterministic":  # refused through the wrapper, as ordinary backward refuses it
+            with context():
+                with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+                    _b_then_w(model, outs[0], g, xs[0])
+                with fxsplit.config.patch(direct_b=False), pytest.raises(RuntimeError, match="use_deterministic"):
+                    _b_then_w(engine, outs[1], g, xs[1])
+                with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+                    outs[2].backward(g)
+            unwrapped.append(region.unwrapped_b_runs - before)
+            continue
+        with context():
+            dx = _b_then_w(model, outs[0], g, xs[0])
+            with fxsplit.config.patch(direct_b=False):
+                dx_engine = _b_then_w(engine, outs[1], g, xs[1])
+            outs[2].backward(g)
+        assert torch.equal(dx, dx_engine), what
+        _assert_same(model, engine, bitwise=True)
+        torch.testing.assert_close(dx, xs[2].grad, msg=what)
+        if what != "autocast":  # (W runs its dW graph with autocast off; ordinary backward under it does not)
+            _assert_same(model, ordinary)
+        else:
+            for p, q in zip(model.parameters(), ordinary.parameters()):
+                q.grad = p.grad.clone()
+        unwrapped.append(region.unwrapped_b_runs - before)
+    # The first call learns; the strided one goes through the wrapper (it
+    # coerces that gradient), and so do those under another thread state.
+    assert unwrapped == [0, 0, 0, 0, 1]
+    assert region.direct_b_runs == 4  # (the refused call ran no dI)
+
+
+def test_b_without_the_wrapper_checks_the_saved_tensors_versions() -> None:
+    model, x, g = _stage()
+    fn = _compiled(model)
+    region = _region_of(fn, x)
+    params = list(model.parameters())
+    _split_step(model, fn, x, g)
+    xi = x.detach().requires_grad_()
+    out = fn(xi)
+    with torch.no_grad():
+        model.a.weight.mul_(2)  # saved by the region: backward must refuse, as ordinary backward does
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        fxsplit.stage_backward_input([out], [g], [xi], params)
+    cause = raised.value.__cause__
+    assert cause is not None and "aot_saved_args" in {f.name for f in traceback.extract_tb(cause.__traceback__)}
+    assert region.stats["di_runs"] == 1
+
+
+def test_b_without_the_wrapper_under_non_reentrant_checkpointing() -> None:
+    """The saved tensors are checkpoint holders that may be unpacked once: B
+    learns without unpacking them itself, and the recomputation runs once."""
+    model, x, g = _stage()
+    ordinary = copy.deepcopy(model)
+    compiled, ref_compiled = _compiled(model), _compiled(ordinary)
+
+    def fn(xi: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(compiled, xi, use_reentrant=False)
+
+    def ref_fn(xi: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(ref_compiled, xi, use_reentrant=False)
+
+    region = _region_of(compiled, x)
+    for step in range(3):
+        dx = _split_step(model, fn, x, g)
+        ref = _ordinary_step(ordinary, ref_fn, x, g)
+        torch.testing.assert_close(dx, ref, msg=f"step {step}")
+        _assert_same(model, ordinary)
+    assert region.direct_b_runs == 3 and region.unwrapped_b_runs == 2
