@@ -483,12 +483,16 @@ def aot_saved_args(node: Any) -> list[Any]:
     return [*node.symints, *node.saved_tensors, *getattr(node, "opaque_objects", ())]
 
 
-def aot_saved_parts(node: Any) -> tuple[list[Any], int, list[Any]]:
+def aot_saved_parts(node: Any) -> tuple[list[Any], int, list[Any]] | None:
     """:func:`aot_saved_args` without unpacking the saved tensors (an unpack
     may run a saved-tensor hook that allows one, as non-reentrant
     checkpointing's does): the symbolic sizes, how many tensors were saved
-    (``ctx._raw_saved_tensors``), the opaque objects."""
-    return list(node.symints), len(node._raw_saved_tensors), list(getattr(node, "opaque_objects", ()))
+    (``ctx._raw_saved_tensors``), the opaque objects; ``None`` where the node
+    has not these attributes (a torch whose AOTAutograd keeps them otherwise)."""
+    try:
+        return list(node.symints), len(node._raw_saved_tensors), list(getattr(node, "opaque_objects", ()))
+    except (AttributeError, RuntimeError):  # (RuntimeError: the saved tensors were freed)
+        return None
 
 
 def aot_backward_state() -> tuple[bool, bool, bool]:

@@ -288,7 +288,10 @@ class _Probe:
         the input number of each gradient argument where they are those,
         unchanged, in that order; else ``None``."""
         self.owner = owner
-        symints, saved, opaque = ti.aot_saved_parts(self.node)
+        parts = ti.aot_saved_parts(self.node)
+        if parts is None:
+            return
+        symints, saved, opaque = parts
         n = self.prefix_len = len(symints) + saved + len(opaque)
         if len(args) != n + len(self.grads):
             return

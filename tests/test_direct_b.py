@@ -388,3 +388,37 @@ def test_b_without_the_wrapper_under_non_reentrant_checkpointing() -> None:
         torch.testing.assert_close(dx, ref, msg=f"step {step}")
         _assert_same(model, ordinary)
     assert region.direct_b_runs == 3 and region.unwrapped_b_runs == 2
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return torch.relu(h), h.sin()
+
+
+def test_b_keeps_the_wrapper_where_it_makes_zeros_for_an_output_with_no_gradient() -> None:
+    """The stage passes on one of the region's two outputs: the wrapper is given
+    zeros for the other, which B does not make itself, so every call goes
+    through the wrapper, with ordinary backward's result."""
+    torch.manual_seed(0)
+    model = _TwoOutputs()
+    ordinary = copy.deepcopy(model)
+    fn, ref_fn = _compiled(model), _compiled(ordinary)
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    before = fxsplit.compiled_regions()
+    for step in range(3):
+        params = list(model.parameters())
+        xi, ri = x.detach().requires_grad_(), x.detach().requires_grad_()
+        out, _ = fn(xi)
+        (dx,), work = fxsplit.stage_backward_input([out], [g], [xi], params)
+        fxsplit.stage_backward_weight(params, work)
+        ref_fn(ri)[0].backward(g)
+        torch.testing.assert_close(dx, ri.grad, msg=f"step {step}")
+        _assert_same(model, ordinary)
+    regions = new_regions(before)  # (the split copy's and the ordinary one's)
+    assert sorted(r.direct_b_runs for r in regions) == [0, 3]
+    assert [r.unwrapped_b_runs for r in regions] == [0, 0]
