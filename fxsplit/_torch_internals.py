@@ -380,6 +380,39 @@ def subclass_regions_supported() -> bool:
     return hasattr(runtime_wrappers, "_codegen_backward_epilogue")
 
 
+_ROUTED = "_fxsplit_routed"
+
+
+def route_backward_of(node: Any, route: Callable[..., Any]) -> None:
+    """Make autograd run region ``node``'s nodes (its class's) through
+    ``route(node, grads, wrapped, args)``, ``wrapped(node, *args)`` being the
+    call autograd makes now: ``BackwardCFunction.apply`` (a direct call, and
+    the engine where grads are not boxed) and ``apply_boxed`` (the engine on
+    a torch whose AOTAutograd takes its gradients boxed, as one list).
+    Installed once per region class, before the first split backward
+    through it. Relies on the engine looking the node's ``apply`` /
+    ``apply_boxed`` up on the node object."""
+    cls = type(node)
+    if cls.__dict__.get(_ROUTED, False):
+        return
+    apply = cls.apply
+
+    def routed_apply(self: Any, *grads: Any) -> Any:
+        return route(self, grads, apply, grads)
+
+    functools.update_wrapper(routed_apply, apply)
+    cls.apply = routed_apply
+    boxed = getattr(cls, "apply_boxed", None)
+    if boxed is not None:
+
+        def routed_apply_boxed(self: Any, *args: Any) -> Any:
+            return route(self, args[0], boxed, args)
+
+        functools.update_wrapper(routed_apply_boxed, boxed)
+        cls.apply_boxed = routed_apply_boxed
+    setattr(cls, _ROUTED, True)
+
+
 def let_backward_leave_subclass_gradients_out(node: Any) -> None:
     """Make the autograd node of region ``node`` accept ``None`` for a
     subclass gradient's pieces (its gradient is then ``None``), as it accepts
@@ -495,16 +528,18 @@ def aot_saved_parts(node: Any) -> tuple[list[Any], int, list[Any]] | None:
         return None
 
 
-def aot_backward_state() -> tuple[bool, bool, bool]:
+def aot_backward_state() -> tuple[bool, bool, bool, bool]:
     """What AOTAutograd's backward wrapper reads from the thread to decide how
     to call the compiled backward: whether autocast is on anywhere (it turns
     it off for graphs compiled under it), whether deterministic algorithms
     are on (it refuses graphs compiled without), whether a functorch
-    transform is active (it refuses any)."""
+    transform is active (it refuses any), whether grad mode is on (double
+    backward)."""
     return (
         torch._C._is_any_autocast_enabled(),
         torch.are_deterministic_algorithms_enabled(),
         torch._C._functorch.peek_interpreter_stack() is not None,
+        torch.is_grad_enabled(),
     )
 
 

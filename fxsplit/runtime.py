@@ -206,36 +206,38 @@ _AOT_CALL = "_fxsplit_aot_call"
 class AotCall:
     """How AOTAutograd's backward wrapper made a region's compiled-backward
     arguments from its node, so that B can make them itself and call the
-    region's dI graph with no wrapper in between (it runs about as many lines
-    of Python as the rest of B).
+    region's dI graph with no wrapper in between (the wrapper runs about
+    165 lines of Python per call).
 
-    Learned from one call through the wrapper (:func:`run_directly`), and
+    Learned from one B call through the wrapper (:func:`route_backward`), and
     kept only where that call showed the wrapper to be plain bookkeeping: its
     arguments were the node's saved values as
     :func:`fxsplit._torch_internals.aot_saved_args` reads them (checked
     without unpacking the saved tensors again: :meth:`_Probe.read`) followed
-    by the incoming gradients themselves, unchanged (each the same tensor
-    object: no layout coerced, no subclass unwrapped, no zeros made for a
-    missing one), and it returned the
-    backward's results themselves (no token, RNG-offset or subclass
-    epilogue). :meth:`args` is the guard for a later call: the same output
-    numbers given gradients, each with the shape and strides the learned call
-    had (those decide the wrapper's layout coercion), the same
-    :func:`fxsplit._torch_internals.aot_backward_state` with autocast off,
-    and as many saved values. A miss returns ``None`` and B goes through the
-    wrapper, learning from that call where it shows bookkeeping only (it
-    replaces the earlier :class:`AotCall`; a call that shows more keeps it).
+    by the incoming gradients themselves, unchanged (each the same plain
+    tensor object: no layout coerced, no subclass unwrapped), and it returned
+    the backward's results themselves (no token, RNG-offset or subclass
+    epilogue). :meth:`args` is the guard for a later call: as many incoming
+    gradients, those at the learned positions plain tensors with the shapes
+    and strides the learned call had (those decide the wrapper's layout
+    coercion), the same :func:`fxsplit._torch_internals.aot_backward_state`
+    (learned with autocast and grad mode off), and as many saved values. A
+    miss returns ``None`` and B goes through the wrapper, learning from that
+    call where it shows bookkeeping only (it replaces the earlier
+    :class:`AotCall`; a call that shows more keeps it). Kept on the node's
+    class: one compiled variant of a region.
     """
 
-    __slots__ = ("prefix", "tangents", "layouts", "state")
+    __slots__ = ("prefix", "tangents", "types", "layouts", "state")
 
     def __init__(self, prefix: int, tangents: tuple[int, ...], layouts: list[Any], state: tuple[bool, ...]) -> None:
         self.prefix = prefix
         self.tangents = tangents
+        self.types = [torch.Tensor] * len(tangents)
         self.layouts = layouts
         self.state = state
 
-    def args(self, node: Any, grads: dict[int, torch.Tensor]) -> list[Any] | None:
+    def args(self, node: Any, grads: Mapping[int, Any] | Sequence[Any]) -> list[Any] | None:
         """The compiled backward's arguments for ``node`` given ``grads`` (by
         input number), or ``None`` where the guard misses."""
         if len(grads) != len(self.tangents) or ti.aot_backward_state() != self.state:
@@ -244,7 +246,7 @@ class AotCall:
             gs = [grads[k] for k in self.tangents]
         except KeyError:
             return None
-        if [(g.shape, g.stride()) for g in gs] != self.layouts:
+        if list(map(type, gs)) != self.types or [(g.shape, g.stride()) for g in gs] != self.layouts:
             return None
         args = ti.aot_saved_args(node)
         if len(args) != self.prefix:
@@ -256,25 +258,30 @@ class AotCall:
     def learn(probe: _Probe, results: Sequence[Any]) -> AotCall | None:
         """The :class:`AotCall` that ``probe``'s call through the wrapper shows,
         or ``None`` where the wrapper did more than bookkeeping."""
-        tangents, grads = probe.tangents, probe.grads
-        if tangents is None or probe.result is None or probe.state[0]:
+        tangents, grads, state = probe.tangents, probe.grads, probe.state
+        if tangents is None or probe.result is None or state[0] or state[3]:  # (autocast on, grad mode on)
             return None
         if len(results) != len(probe.result) or not all(map(operator.is_, results, probe.result)):
             return None
-        return AotCall(probe.prefix_len, tangents, [(grads[k].shape, grads[k].stride()) for k in tangents], probe.state)
+        gs = [grads[k] for k in tangents]
+        if any(type(g) is not torch.Tensor for g in gs):
+            return None
+        return AotCall(probe.prefix_len, tangents, [(g.shape, g.stride()) for g in gs], state)
 
 
 class _Probe:
-    """What :func:`run_directly` needs to learn an :class:`AotCall`: the node,
+    """What :func:`route_backward` needs to learn an :class:`AotCall`: the node,
     the gradients given, and what :meth:`read` and
     :meth:`CompiledSplitBackward.__call__` saw of the wrapper's call."""
 
-    __slots__ = ("node", "grads", "state", "prefix_len", "tangents", "result", "owner")
+    __slots__ = ("node", "grads", "state", "parts", "prefix_len", "tangents", "result", "owner")
 
-    def __init__(self, node: Any, grads: dict[int, torch.Tensor]) -> None:
+    def __init__(self, node: Any, grads: Mapping[int, Any] | Sequence[Any]) -> None:
         self.node = node
-        self.grads = grads
+        self.grads = grads if isinstance(grads, Mapping) else tuple(grads)  # (the wrapper empties a boxed list)
         self.state = ti.aot_backward_state()
+        # (read before the wrapper runs: under an engine call that frees the graph it clears the saved tensors)
+        self.parts = ti.aot_saved_parts(node)
         self.prefix_len = 0
         self.tangents: tuple[int, ...] | None = None
         self.result: list[Any] | None = None
@@ -288,7 +295,7 @@ class _Probe:
         the input number of each gradient argument where they are those,
         unchanged, in that order; else ``None``."""
         self.owner = owner
-        parts = ti.aot_saved_parts(self.node)
+        parts = self.parts
         if parts is None:
             return
         symints, saved, opaque = parts
@@ -302,7 +309,8 @@ class _Probe:
             and all(map(operator.is_, args[n - len(opaque):n], opaque))
         ):
             return
-        by_id = {id(g): k for k, g in self.grads.items()}
+        grads = self.grads
+        by_id = {id(g): k for k, g in (grads.items() if isinstance(grads, Mapping) else enumerate(grads))}
         tangents = tuple(by_id.get(id(t), -1) for t in args[n:])
         if -1 not in tangents and len(set(tangents)) == len(tangents):
             self.tangents = tangents
@@ -313,22 +321,46 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> tuple[torch.Tenso
     ``grads`` flowing into its inputs, as its registration says (B: the dI
     graph only): the gradient for each of its ``next_functions``. Its W
     work goes where the registration sends it (records, hand-overs); the
-    weight gradients returned are ``None`` in B. Where the node's
-    :class:`AotCall` is known and its guard holds, the region's compiled
-    backward is called with no AOTAutograd wrapper; otherwise through it,
-    learning the :class:`AotCall` for the next call."""
-    known = type(node).__dict__.get(_AOT_CALL)
-    args = known[1].args(node, grads) if known is not None else None
-    if args is not None:
-        return known[0].run_unwrapped(node, args)
-    prev = getattr(_direct, "node", None)
+    weight gradients returned are ``None`` in B."""
+    prev, enabled = getattr(_direct, "node", None), torch.is_grad_enabled()
     _direct.node = node
-    _direct.probe = probe = _Probe(node, grads)
+    ti.set_grad_enabled(False)  # (as the engine runs a backward that does not create a graph)
     try:
-        results = ti.run_node_outside_engine(node, grads)
+        return route_backward(node, grads, _outside_engine, (grads,))
     finally:
         _direct.node = prev
-        _direct.probe = None
+        ti.set_grad_enabled(enabled)
+
+
+def _outside_engine(node: Any, grads: dict[int, torch.Tensor]) -> Any:
+    return ti.run_node_outside_engine(node, grads)
+
+
+def route_backward(node: Any, grads: Sequence[Any], wrapped: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """A split region's node run by autograd (the engine, or B itself:
+    :func:`run_directly`), installed on its class by
+    :func:`fxsplit._torch_internals.route_backward_of`: ``grads`` are the
+    gradients flowing into its inputs, ``wrapped(node, *args)`` runs
+    AOTAutograd's backward. Outside B (ordinary backward, W) that is all. In
+    B, where the node's :class:`AotCall` is known and its guard holds, the
+    region's compiled backward is called with no AOTAutograd wrapper;
+    otherwise through it, learning the :class:`AotCall` for the next call."""
+    call = getattr(node, _CALL_ATTR, None)
+    if call is None or call is SPLIT_DONE:
+        return wrapped(node, *args)
+    known = type(node).__dict__.get(_AOT_CALL)
+    if known is not None:
+        unwrapped = known[1].args(node, grads)
+        if unwrapped is not None:
+            if type(grads) is list:  # the engine's boxed gradients: held by ``unwrapped`` only, as the wrapper does
+                grads.clear()
+            return known[0].run_unwrapped(call, node, unwrapped)
+    prev = getattr(_direct, "probe", None)
+    _direct.probe = probe = _Probe(node, grads)
+    try:
+        results = wrapped(node, *args)
+    finally:
+        _direct.probe = prev
     learned = AotCall.learn(probe, results) if probe.owner is not None else None
     if learned is not None:  # (a call the wrapper changed leaves an earlier one's AotCall as it was)
         setattr(type(node), _AOT_CALL, (probe.owner, learned))
@@ -971,20 +1003,13 @@ class CompiledSplitBackward(CompiledGraphs):
         probe.result = self._input_only(call, node, args)
         return probe.result
 
-    def run_unwrapped(self, node: Any, args: list[Any]) -> tuple[Any, ...]:
-        """B's call of this region's backward for ``node`` as AOTAutograd's
-        wrapper would make it, on the arguments it would pass
-        (:class:`AotCall`): with grad mode off, as the engine runs it."""
-        call = getattr(node, _CALL_ATTR, None)
-        if not isinstance(call, InputCall):
-            raise RuntimeError(f"fxsplit: {self.name}: B called its backward with no split call registered")
+    def run_unwrapped(self, call: InputCall, node: Any, args: list[Any]) -> tuple[Any, ...]:
+        """B's call (``call``) of this region's backward for ``node``, on the
+        arguments AOTAutograd's wrapper would pass (:class:`AotCall`; grad
+        mode is off, as its guard checks)."""
         self.unwrapped_b_runs += 1
-        enabled = torch.is_grad_enabled()
-        ti.set_grad_enabled(False)
-        try:
-            return tuple(self._input_only(call, node, args))
-        finally:
-            ti.set_grad_enabled(enabled)
+        node.maybe_clear_saved_tensors()  # as the wrapper does: the engine call frees the graph, ``args`` holds them
+        return tuple(self._input_only(call, node, args))
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
         # The plan's reading of the node's edges, where B's plan made one.

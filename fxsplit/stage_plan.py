@@ -65,7 +65,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from fxsplit import _torch_internals as ti
-from fxsplit.runtime import CompiledSplitBackward
+from fxsplit.runtime import CompiledSplitBackward, route_backward
 
 __all__ = [
     "MAX_PLANS_PER_REGION",
@@ -860,6 +860,7 @@ def prepare_regions(nodes: Iterable[Node]) -> None:
     for node in nodes:
         ti.compiled_backward_of(node).prepare_split()
         ti.let_backward_leave_subclass_gradients_out(node)
+        ti.route_backward_of(node, route_backward)
 
 
 def plan_stage(

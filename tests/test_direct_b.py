@@ -400,10 +400,10 @@ class _TwoOutputs(nn.Module):
         return torch.relu(h), h.sin()
 
 
-def test_b_keeps_the_wrapper_where_it_makes_zeros_for_an_output_with_no_gradient() -> None:
-    """The stage passes on one of the region's two outputs: the wrapper is given
-    zeros for the other, which B does not make itself, so every call goes
-    through the wrapper, with ordinary backward's result."""
+def test_b_without_the_wrapper_where_a_region_output_has_no_gradient() -> None:
+    """The stage passes on one of the region's two outputs: its node is given
+    zeros for the other (as the engine gives them), which the wrapper passed
+    on unchanged when B learned it, and B passes on too."""
     torch.manual_seed(0)
     model = _TwoOutputs()
     ordinary = copy.deepcopy(model)
@@ -421,4 +421,4 @@ def test_b_keeps_the_wrapper_where_it_makes_zeros_for_an_output_with_no_gradient
         _assert_same(model, ordinary)
     regions = new_regions(before)  # (the split copy's and the ordinary one's)
     assert sorted(r.direct_b_runs for r in regions) == [0, 3]
-    assert [r.unwrapped_b_runs for r in regions] == [0, 0]
+    assert sorted(r.unwrapped_b_runs for r in regions) == [0, 2]
