@@ -324,6 +324,8 @@ def _checked_call(
     _refuse_create_graph(create_graph)
     if config.direct_b is not True and config.direct_b is not False and config.direct_b != "auto":
         config.current("direct_b")  # raises ValueError, naming the option
+    if config.skip_aot_wrapper is not True and config.skip_aot_wrapper is not False:
+        config.current("skip_aot_wrapper")
     weights = _weights_list(weights)
     outs, grads = _flatten_outputs(outputs, output_grads)
     return outs, _check_grads(outs, grads), weights

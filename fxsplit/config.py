@@ -31,18 +31,24 @@
   itself instead of through autograd's engine, which on a GPU hands every
   backward to a device thread and back: on an H200 that hand-over cost more
   host time than the rest of B (docs/benchmark.md). Taken only where nothing
-  the engine would do differs that Python can see: no tensor hooks or
-  ``retain_grad`` on the outputs or inputs, anomaly mode off, no symbolic
-  sizes, on CUDA the current stream the device's default stream. What Python
-  cannot see: hooks registered on the region's own autograd node
-  (``out.grad_fn.register_hook``/``register_prehook``) do not run at B, and
-  the forward must have run on the stream B runs on, or been synchronized
-  with it (upstream's pipeline stage runs both on the current stream).
+  the engine would do differs: no tensor hooks or ``retain_grad`` on the
+  outputs or inputs, no hook on the region's node, anomaly mode off, no
+  symbolic sizes, on CUDA the current stream the device's default stream.
+  What cannot be checked: the forward must have run on the stream B runs
+  on, or been synchronized with it (upstream's pipeline stage runs both on
+  the current stream).
   ``"auto"`` (the default): for tensors on any device but the CPU, where the
   engine runs in the calling thread and calling the region saves nothing
   (freeing its saved tensors from Python costs a little more there);
   ``True``: on every device; ``False``: never. Read when B runs;
   ``FXSPLIT_DIRECT_B`` (``auto``, ``1``, ``0``) sets it.
+
+* ``skip_aot_wrapper``: B runs a split region's compiled backward without
+  AOTAutograd's backward wrapper once one call through it showed the wrapper
+  passing the node's saved values and the gradients on unchanged, while that
+  still holds (``fxsplit.runtime.AotCall``). ``False``: B always goes
+  through the wrapper. Read when B runs; ``FXSPLIT_SKIP_AOT_WRAPPER=0`` turns
+  it off. Default ``True``.
 
 * ``whole_nodes``: what B and W do with an autograd node whose one backward call
   computes the gradients of all its edges (a custom ``torch.autograd.Function``,
@@ -75,7 +81,7 @@ from fxsplit.passes.placement import DEFER_MODES
 
 __all__ = [
     "DEFERS", "FALLBACKS", "current", "defer", "direct_b", "fallback", "fused_accumulation", "lazy_compile", "patch",
-    "whole_nodes",
+    "skip_aot_wrapper", "whole_nodes",
 ]
 
 FALLBACKS = ("eager", "error")
@@ -95,6 +101,7 @@ direct_b: bool | str = (
     "auto" if os.environ.get("FXSPLIT_DIRECT_B", "auto").strip().lower() == "auto"
     else _env_flag("FXSPLIT_DIRECT_B", True)
 )
+skip_aot_wrapper: bool = _env_flag("FXSPLIT_SKIP_AOT_WRAPPER", True)
 whole_nodes: str = os.environ.get("FXSPLIT_WHOLE_NODES", "once").strip().lower()
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -103,6 +110,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "lazy_compile": (True, False),
     "fused_accumulation": (True, False),
     "direct_b": ("auto", True, False),
+    "skip_aot_wrapper": (True, False),
     "whole_nodes": ("once", "again"),
 }
 

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from fxsplit import _torch_internals as ti
+from fxsplit import config
 from fxsplit.gradient_layout import GradientLayout, WeightGradient
 from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend, copy_exactly
 from fxsplit.layouts import BoundaryGuard
@@ -344,9 +345,10 @@ def route_backward(node: Any, grads: Sequence[Any], wrapped: Callable[..., Any],
     AOTAutograd's backward. Outside B (ordinary backward, W) that is all. In
     B, where the node's :class:`AotCall` is known and its guard holds, the
     region's compiled backward is called with no AOTAutograd wrapper;
-    otherwise through it, learning the :class:`AotCall` for the next call."""
+    otherwise through it, learning the :class:`AotCall` for the next call
+    (unless :data:`fxsplit.config.skip_aot_wrapper` is off)."""
     call = getattr(node, _CALL_ATTR, None)
-    if call is None or call is SPLIT_DONE:
+    if call is None or call is SPLIT_DONE or config.skip_aot_wrapper is False:
         return wrapped(node, *args)
     known = type(node).__dict__.get(_AOT_CALL)
     if known is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -57,3 +58,36 @@ def test_b_through_the_engine_skips_the_wrapper_of_every_region() -> None:
     # The first B learns; the strided gradient goes through the top region's
     # wrapper, which coerces it, and the bottom region's gets a contiguous one.
     assert unwrapped == [[0, 0], [1, 1], [1, 2], [2, 3]]
+
+
+def test_skip_aot_wrapper_off_keeps_the_wrapper_and_a_bad_value_is_refused() -> None:
+    torch.manual_seed(0)
+    model = _TwoRegions()
+    ordinary = copy.deepcopy(model)
+    be = fxsplit.backend(fallback="error")
+    fn = torch.compile(model, backend=be)
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    before = fxsplit.compiled_regions()
+    with fxsplit.config.patch(skip_aot_wrapper=False):
+        for _ in range(3):
+            params = list(model.parameters())
+            xi = x.detach().requires_grad_()
+            (dx,), work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], params)
+            fxsplit.stage_backward_weight(params, work)
+            ri = x.detach().requires_grad_()
+            ordinary(ri).backward(g)
+            torch.testing.assert_close(dx, ri.grad)
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    regions = new_regions(before)
+    assert len(regions) == 2 and [r.unwrapped_b_runs for r in regions] == [0, 0]
+    assert [r.stats["di_runs"] for r in regions] == [3, 3]
+    fxsplit.config.skip_aot_wrapper = "no"
+    try:
+        xi = x.detach().requires_grad_()
+        out = fn(xi)
+        with pytest.raises(ValueError, match="skip_aot_wrapper"):
+            fxsplit.stage_backward_input([out], [g], [xi], list(model.parameters()))
+    finally:
+        fxsplit.config.skip_aot_wrapper = True
+    assert [r.stats["di_runs"] for r in regions] == [3, 3]
