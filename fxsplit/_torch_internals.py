@@ -1371,12 +1371,34 @@ class AccumulationLedger:
         return "unknown" if ptr in self.begun else "untouched"
 
 
-_LEDGERS = threading.local()
+class _Sink(collections.deque):  # type: ignore[type-arg]
+    """A set that keeps nothing, in C calls: ``add`` and ``discard``."""
+
+    add = discard = collections.deque.append
+
+
+class _NoLedger:
+    """Where the brackets record when no :func:`recording_accumulation` is
+    active (they run on every in-graph accumulation: C calls only)."""
+
+    __slots__ = ()
+    begun = ended = _Sink(maxlen=0)
+
+
+_NO_LEDGER = _NoLedger()
+
+
+class _Ledgers(threading.local):
+    current: AccumulationLedger | _NoLedger = _NO_LEDGER
+
+
+_LEDGERS = _Ledgers()
 
 
 def current_ledger() -> AccumulationLedger | None:
     """The ledger :func:`recording_accumulation` set in this thread, if any."""
-    return getattr(_LEDGERS, "current", None)
+    ledger = _LEDGERS.current
+    return None if ledger is _NO_LEDGER else ledger  # type: ignore[return-value]
 
 
 class recording_accumulation:  # (lower case: used as a function, ``with recording_accumulation() as ledger:``)
@@ -1387,7 +1409,7 @@ class recording_accumulation:  # (lower case: used as a function, ``with recordi
     __slots__ = ("_previous",)
 
     def __enter__(self) -> AccumulationLedger:
-        self._previous = getattr(_LEDGERS, "current", None)
+        self._previous = _LEDGERS.current
         ledger = _LEDGERS.current = AccumulationLedger()
         return ledger
 
@@ -1420,11 +1442,7 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
     def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         # Recorded as one write (see AccumulationLedger): addmm_ either raises
         # before writing or writes all of grad.
-        ledger = getattr(_LEDGERS, "current", None)
-        if ledger is None:
-            grad.addmm_(a, b)
-            return
-        ptr = grad.data_ptr()
+        ledger, ptr = _LEDGERS.current, grad.data_ptr()
         ledger.begun.add(ptr)
         try:
             grad.addmm_(a, b)
@@ -1461,9 +1479,7 @@ def _define_accumulation_brackets() -> tuple[Any, Any, Any]:
         lib.define(f"{name}(Tensor(a!) grad) -> ()", tags=(torch.Tag.flexible_layout,))
 
         def kernel(grad: torch.Tensor, field: str = field) -> None:
-            ledger = getattr(_LEDGERS, "current", None)
-            if ledger is not None:
-                getattr(ledger, field).add(grad.data_ptr())
+            getattr(_LEDGERS.current, field).add(grad.data_ptr())
 
         lib.impl(name, kernel, "CompositeExplicitAutograd")
         lib.impl(name, lambda grad: None, "Meta")
