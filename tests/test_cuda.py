@@ -372,9 +372,11 @@ def test_reduce_overhead_hands_out_weight_gradients_and_never_overwrites_one_hel
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce_overhead"])
 def test_direct_b_is_taken_on_cuda_and_bitwise_the_engine_path(mode: str | None) -> None:
     """``fxsplit.config.direct_b``'s default on CUDA: B calls a one-region
-    stage's node itself (not autograd's engine); input and weight gradients
-    bitwise those of B through the engine on an identical copy, two
-    microbatches in flight over two steps, with and without CUDA graphs."""
+    stage's node itself (not autograd's engine), and from its second call its
+    compiled backward without AOTAutograd's wrapper; input and weight
+    gradients bitwise those of B through the engine and the wrapper on an
+    identical copy, two microbatches in flight over two steps, with and
+    without CUDA graphs."""
     stage = _small(torch.bfloat16)
     direct, engine = stage.module, copy.deepcopy(stage.module)
     before = fxsplit.compiled_regions()
@@ -387,7 +389,7 @@ def test_direct_b_is_taken_on_cuda_and_bitwise_the_engine_path(mode: str | None)
         xs = [stage.make_input().requires_grad_() for _ in range(2)]
         gs = [torch.randn_like(x) for x in xs]
         got = _run_split(direct, fn, xs, gs)
-        with fxsplit.config.patch(direct_b=False):
+        with fxsplit.config.patch(direct_b=False, skip_aot_wrapper=False):
             want = _run_split(engine, engine_fn, xs, gs)
         for a, b in zip(got, want):
             assert torch.equal(a, b), f"step {step}: an input gradient differs"
@@ -396,6 +398,7 @@ def test_direct_b_is_taken_on_cuda_and_bitwise_the_engine_path(mode: str | None)
     regions = new_regions(before)
     runs = sorted(r.direct_b_runs for r in regions)
     assert runs == [0] * (len(regions) - 1) + [4], [(r.name, r.direct_b_runs, r.stats) for r in regions]
+    assert sum(r.unwrapped_b_runs for r in regions) == 3, [(r.name, r.unwrapped_b_runs) for r in regions]
 
 
 def test_cuda_kernels_sees_the_kernels_of_both_backwards(capsys: pytest.CaptureFixture[str]) -> None:
