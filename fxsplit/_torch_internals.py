@@ -1441,8 +1441,13 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
 
     def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         # Recorded as one write (see AccumulationLedger): addmm_ either raises
-        # before writing or writes all of grad.
-        ledger, ptr = _LEDGERS.current, grad.data_ptr()
+        # before writing or writes all of grad. (This kernel also serves fake
+        # tensors, which have no data pointer: none is read outside a ledger.)
+        ledger = _LEDGERS.current
+        if ledger is _NO_LEDGER:
+            grad.addmm_(a, b)
+            return
+        ptr = grad.data_ptr()
         ledger.begun.add(ptr)
         try:
             grad.addmm_(a, b)
