@@ -327,14 +327,10 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> tuple[torch.Tenso
     _direct.node = node
     ti.set_grad_enabled(False)  # (as the engine runs a backward that does not create a graph)
     try:
-        return route_backward(node, grads, _outside_engine, (grads,))
+        return route_backward(node, grads, ti.run_node_outside_engine, (grads,))
     finally:
         _direct.node = prev
         ti.set_grad_enabled(enabled)
-
-
-def _outside_engine(node: Any, grads: dict[int, torch.Tensor]) -> Any:
-    return ti.run_node_outside_engine(node, grads)
 
 
 def route_backward(node: Any, grads: Sequence[Any], wrapped: Callable[..., Any], args: Sequence[Any]) -> Any:
