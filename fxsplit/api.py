@@ -351,10 +351,15 @@ def _run_b(
     try:
         if not outs or not (xs or captures):
             return call, saved, ()
-        with registered(plan.split_regions, call):
-            results = _reach_targets(plan, call, outs, grads, xs, retain)
-            if captures:
-                _run_bottom_regions(plan, results[len(xs):])
+        direct = None if retain or captures else _direct_call(plan, outs, grads, xs)
+        if direct is not None:  # (the node is registered for its call only)
+            call.release_first = True
+            results = _run_direct(*direct, xs, call)
+        else:
+            with registered(plan.split_regions, call):
+                results = _reach_targets(plan, outs, grads, xs, retain)
+                if captures:
+                    _run_bottom_regions(plan, results[len(xs):])
         # The graph is retained for the nodes W re-runs; free what the
         # nodes below the intermediates that only B needed saved.
         for node in plan.release:
@@ -374,25 +379,16 @@ def _save_into(saved: list[Any], k: int, grad_outputs: tuple[torch.Tensor | None
 
 
 def _reach_targets(
-    plan: EagerWeightPlan, call: InputCall, outs: list[Output], grads: list[torch.Tensor], xs: list[torch.Tensor],
-    retain: bool,
+    plan: EagerWeightPlan, outs: list[Output], grads: list[torch.Tensor], xs: list[torch.Tensor], retain: bool,
 ) -> Sequence[torch.Tensor | None]:
-    """The gradients of ``xs`` and of the plan's captures, by the cheapest way
-    that is the engine's: the region's node called itself (:func:`_direct_call`),
-    the output gradients themselves (a first stage of one region), or the engine."""
+    """The gradients of ``xs`` and of the plan's captures through autograd's
+    engine, or, for a first stage of one region, the output gradients
+    themselves (what flows into it; no engine call to capture them)."""
     captures = plan.captures
     targets = [*xs, *captures]
-    if not captures and all(type(t) is torch.Tensor for t in (*outs, *targets)):
-        # Plain tensors, gradients checked (_check_grads): the region's node
-        # itself where nothing differs from an engine call, else the engine.
-        direct = None if retain else _direct_call(plan, outs, grads, targets)
-        if direct is None:
-            return ti.engine_grad(outs, grads, targets, retain)
-        call.release_first = True
-        return _run_direct(*direct, targets)
+    if not captures and ti.all_plain(outs) and ti.all_plain(targets):  # (gradients checked: _check_grads)
+        return ti.engine_grad(outs, grads, targets, retain)
     if not xs and _outputs_are_the_captures(plan, outs, grads):
-        # A first stage of one region: what flows into it is the output
-        # gradients themselves (checked above); no engine call to capture them.
         return tuple(grads)
     return torch.autograd.grad(outs, targets, grad_outputs=grads, retain_graph=retain, allow_unused=True)
 
@@ -447,7 +443,7 @@ def _keep_outputs(nodes: Sequence[Any], into: list[DeferredGrad], handles: list[
 
 
 def _direct_call(
-    plan: EagerWeightPlan, outs: list[Any], grads: list[torch.Tensor], targets: list[torch.Tensor]
+    plan: EagerWeightPlan, outs: list[Any], grads: list[torch.Tensor], xs: list[torch.Tensor]
 ) -> tuple[Any, dict[int, torch.Tensor], list[int]] | None:
     """``(node, gradients by output, edge of each target)`` where B may call the
     stage's one region node itself instead of the engine
@@ -458,18 +454,15 @@ def _direct_call(
     ``retain_grad`` on any of them, no hook on the node (the engine would run
     them: :func:`fxsplit._torch_internals.node_has_hooks`); anomaly mode
     off; on CUDA, the current stream the default one."""
-    flag = config.direct_b
-    if flag is False or len(plan.split_regions) != 1 or torch.is_anomaly_enabled():
+    flag, edges = config.direct_b, plan.direct_edges
+    if edges is None or flag is False or torch.is_anomaly_enabled() or not (ti.all_plain(outs) and ti.all_plain(xs)):
         return None
     device = outs[0].device
     if device.type == "cpu" and flag is not True:
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
-    edges = plan.direct_edges
-    if edges is None:
-        return None
     by_output = _gradients_by_output(node, outs, grads)
-    if by_output is None or ti.node_has_hooks(node) or any(x._backward_hooks or x.retains_grad for x in targets):
+    if by_output is None or ti.node_has_hooks(node) or any(x._backward_hooks or x.retains_grad for x in xs):
         return None
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None
@@ -507,13 +500,13 @@ def _outputs_are_the_captures(plan: EagerWeightPlan, outs: list[Any], grads: lis
 
 
 def _run_direct(
-    node: Any, grads: dict[int, torch.Tensor], edges: list[int], targets: list[torch.Tensor]
+    node: Any, grads: dict[int, torch.Tensor], edges: list[int], targets: list[torch.Tensor], call: InputCall
 ) -> tuple[torch.Tensor | None, ...]:
     """B's engine call, made by calling the region's node itself
     (:func:`_direct_call` says where): each target's gradient, checked and
     conformed to the target's metadata as the engine's ``validate_outputs``
     does (summed to its shape where it broadcasts, cast to its dtype)."""
-    results = run_directly(node, grads)
+    results = run_directly(node, grads, call)
     if not isinstance(results, (tuple, list)):
         results = (results,)
     out: list[torch.Tensor | None] = []

@@ -157,6 +157,12 @@ class _SplitDone:
 SPLIT_DONE = _SplitDone()
 
 
+_OVERLAP = (
+    "fxsplit: another split backward is running through this microbatch's autograd graph "
+    "({} is registered by it); B and W of one microbatch cannot overlap"
+)
+
+
 class registered:  # noqa: N801 - used as a function: ``with registered(nodes, call):``
     """Register ``call`` on each autograd node of ``nodes`` for the duration of the block.
 
@@ -178,10 +184,7 @@ class registered:  # noqa: N801 - used as a function: ``with registered(nodes, c
         nodes = self._nodes
         for node in nodes:
             if getattr(node, _CALL_ATTR, None) is not None:
-                raise RuntimeError(
-                    "fxsplit: another split backward is running through this microbatch's autograd graph "
-                    f"({node.name()} is registered by it); B and W of one microbatch cannot overlap"
-                )
+                raise RuntimeError(_OVERLAP.format(node.name()))
         done = self._done
         try:
             for node in nodes:
@@ -317,20 +320,38 @@ class _Probe:
             self.tangents = tangents
 
 
-def run_directly(node: Any, grads: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+def run_directly(node: Any, grads: dict[int, torch.Tensor], call: InputCall | None = None) -> tuple[torch.Tensor | None, ...]:
     """Run region ``node``'s backward outside the engine, on the gradients
     ``grads`` flowing into its inputs, as its registration says (B: the dI
     graph only): the gradient for each of its ``next_functions``. Its W
     work goes where the registration sends it (records, hand-overs); the
-    weight gradients returned are ``None`` in B."""
-    prev, enabled = getattr(_direct, "node", None), torch.is_grad_enabled()
-    _direct.node = node
+    weight gradients returned are ``None`` in B. ``call``: B's call, for a
+    node not registered yet: it is registered for this call only, and
+    ``RuntimeError`` is raised, running nothing, where another split call
+    holds it (as :class:`registered` does)."""
+    enabled = torch.is_grad_enabled()
+    if call is not None:
+        if getattr(node, _CALL_ATTR, None) is not None:
+            raise RuntimeError(_OVERLAP.format(node.name()))
+        setattr(node, _CALL_ATTR, call)
     ti.set_grad_enabled(False)  # (as the engine runs a backward that does not create a graph)
     try:
-        return route_backward(node, grads, ti.run_node_outside_engine, (grads,))
+        return route_backward(node, grads, _outside_engine, (grads,))
+    finally:
+        ti.set_grad_enabled(enabled)
+        if call is not None:
+            setattr(node, _CALL_ATTR, None)
+
+
+def _outside_engine(node: Any, grads: dict[int, torch.Tensor]) -> Any:
+    """AOTAutograd's backward of ``node``, called by B itself: the node is
+    made known to :meth:`CompiledSplitBackward.__call__` (the engine reports none)."""
+    prev = getattr(_direct, "node", None)
+    _direct.node = node
+    try:
+        return ti.run_node_outside_engine(node, grads)
     finally:
         _direct.node = prev
-        ti.set_grad_enabled(enabled)
 
 
 def route_backward(node: Any, grads: Sequence[Any], wrapped: Callable[..., Any], args: Sequence[Any]) -> Any:
@@ -1018,7 +1039,7 @@ class CompiledSplitBackward(CompiledGraphs):
         if self._subclass_grads is None and self._has_subclass_inputs:
             self._subclass_grads = ti.SubclassGradients.of(node)
         if call.release_first:
-            ti.release_saved_tensors(node)  # ``args`` holds them now: dI frees each after its last use
+            ti.release_region_saved(node)  # ``args`` holds them now: dI frees each after its last use
             self.direct_b_runs += 1
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
