@@ -413,7 +413,7 @@ class CompiledWeightWork:
         params: list[torch.Tensor | None],
         accumulators: list[Any] | None = None,
         slot: Slot | None = None,
-        di_storages: frozenset[int] = frozenset(),
+        di_storages: AbstractSet[int] = frozenset(),
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
@@ -877,12 +877,9 @@ class CompiledSplitBackward(CompiledGraphs):
         or not decided yet. ``capture.status`` says why a region runs uncaptured."""
         return self._capture
 
-    def _capture_for(self, args: Sequence[Any]) -> RegionCapture | None:
-        """The slots to replay through, deciding on the first call whether the
-        region can use CUDA graphs at all (said once where not)."""
-        if self._capture_decided:
-            capture = self._capture
-            return capture if capture is not None and capture.status == "captured" else None
+    def _decide_capture(self, args: Sequence[Any]) -> RegionCapture | None:
+        """On the first split call: whether the region can use CUDA graphs at
+        all (said once where not), and its slots if so."""
         self._capture_decided = True
         if not self.cudagraphs:
             return None
@@ -954,20 +951,21 @@ class CompiledSplitBackward(CompiledGraphs):
         """Run dI: its outputs, the live-ins, and the CUDA graph slot holding
         the live-ins (``None`` uncaptured), which the caller hands to the W
         work (or releases)."""
-        guard = self.boundary
+        guard = self._boundary or self.boundary
         n = len(self.split.di_outputs)
-        capture = self._capture_for(args)
-        if self._tree_notice is not None:
-            self._tree_notice()  # a backward runs: the trees keep the forwards waiting for one
+        capture = self._capture if self._capture_decided else self._decide_capture(args)
+        notice = self._tree_notice
+        if notice is not None:
+            notice()  # a backward runs: the trees keep the forwards waiting for one
         t0 = time.perf_counter_ns()
-        replayed = (
-            capture.run_di(self._run_di, args, n, self._passthrough, self._tangents) if capture is not None else None
-        )
+        replayed = None
+        if capture is not None and capture.status == "captured":
+            replayed = capture.run_di(self._run_di, args, n, self._passthrough, self._tangents)
         if replayed is not None:
             outs, slot = replayed
         else:
             outs, slot = list(self._run_di(args)), None
-            if self._tree_notice is not None:
+            if notice is not None:
                 for i in self._passthrough:  # out of the trees' memory, for W
                     outs[i] = copy_exactly(outs[i])
         self._count("dI", time.perf_counter_ns() - t0, timings, "b_graph_ns")
@@ -1081,8 +1079,7 @@ class CompiledSplitBackward(CompiledGraphs):
             if edges is None:
                 edges = node.next_functions
             params, accumulators = self._params_of(edges, call.weight_ids)
-        di_storages = frozenset(ti.storage_ptrs(di_vals))
-        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot, di_storages))
+        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot, ti.storage_ptrs(di_vals)))
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
