@@ -77,6 +77,10 @@ _B_DONE = "_fxsplit_b_done"
 _GRAD_OF = ti.grad_of
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _SEQUENCES = (list, tuple)
+_GRAD_FN = operator.attrgetter("grad_fn")
+_METADATA = operator.attrgetter("metadata")
+_B_MARK = operator.methodcaller("get", _B_DONE)
+_META = operator.attrgetter("shape", "dtype", "device")
 
 
 def _b_ran_on(o: torch.Tensor) -> bool:
@@ -121,20 +125,26 @@ def _flatten_outputs(outputs: Any, grads: Any) -> tuple[list[Output], list[Any]]
         outputs = [outputs]
         if isinstance(grads, torch.Tensor):
             grads = [grads]
-    if (
-        type(outputs) in _SEQUENCES
-        and type(grads) in _SEQUENCES
-        and len(grads) == len(outputs)
-        and ti.all_plain(outputs)
-        and ti.all_plain(grads)
-        and all(map(_REQUIRES_GRAD, outputs))
-        and not any(map(_b_ran_on, outputs))
-    ):  # a flat sequence of tensors that need gradients, with a tensor gradient each (the common case)
-        return list(outputs), list(grads)
     outs: list[Output] = []
     gs: list[Any] = []
     _visit_output(outputs, grads, "stage output", outs, gs)
     return outs, gs
+
+
+def _plain_pairs(outputs: Any, grads: Any) -> bool:
+    """Whether ``outputs`` and ``grads`` are flat sequences of one length of
+    plain tensors, each output requiring grad with an autograd node B has not
+    run from, each gradient of its output's shape, dtype and device and not
+    requiring grad: the common case, all of :func:`_flatten_outputs` and
+    :func:`_check_grads` decided in C-level passes."""
+    if type(outputs) not in _SEQUENCES or type(grads) not in _SEQUENCES or len(grads) != len(outputs):
+        return False
+    if not (ti.all_plain(outputs) and ti.all_plain(grads)) or any(map(_REQUIRES_GRAD, grads)):
+        return False
+    nodes = list(map(_GRAD_FN, outputs))
+    if None in nodes or any(map(_B_MARK, map(_METADATA, nodes))):
+        return False  # (a leaf, a detached output, or one B ran from: checked one by one)
+    return list(map(_META, grads)) == list(map(_META, outputs))
 
 
 # A module-level function, not a recursive closure: a closure that refers to
@@ -327,6 +337,8 @@ def _checked_call(
     if config.skip_aot_wrapper is not True and config.skip_aot_wrapper is not False:
         config.current("skip_aot_wrapper")
     weights = _weights_list(weights)
+    if _plain_pairs(outputs, output_grads):
+        return list(outputs), list(output_grads), weights
     outs, grads = _flatten_outputs(outputs, output_grads)
     return outs, _check_grads(outs, grads), weights
 
