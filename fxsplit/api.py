@@ -291,8 +291,8 @@ def stage_backward_input(
     """
     t0 = time.perf_counter_ns()
     outs, grads, weights = _checked_call(stage_outputs_or_loss, output_grads, weights, create_graph)
-    grad_inputs = [(k, v) for k, v in enumerate(input_values) if isinstance(v, torch.Tensor) and v.requires_grad]
-    xs = [v for _, v in grad_inputs]
+    needed = _needs_gradient(input_values)
+    xs = list(itertools.compress(input_values, needed))
     out_edges = [_light_edge(o) for o in outs]
     plan = plan_stage(outs, out_edges, xs, weights)
     if plan.groups:  # W starts autograd at some outputs: edges that keep their graph alive
@@ -302,28 +302,36 @@ def stage_backward_input(
         if not plan.prepared:
             prepare_regions(plan.split_regions)
     call, saved, results = _run_b(plan, outs, grads, xs, weights)
-    dinputs = _into_inputs(len(input_values), grad_inputs, results)
+    dinputs = _into_inputs(needed, xs, results)
     del results
     work = _record_b(plan, weights, call, saved, outs, out_edges, grads)
     work.timings["b_ns"] = time.perf_counter_ns() - t0
     return dinputs, work
 
 
+def _needs_gradient(values: Sequence[Any]) -> list[bool]:
+    """Which of the stage's input values are tensors that need a gradient."""
+    if ti.all_plain(values):
+        return list(map(_REQUIRES_GRAD, values))
+    return [isinstance(v, torch.Tensor) and v.requires_grad for v in values]
+
+
 def _into_inputs(
-    n: int, grad_inputs: list[tuple[int, torch.Tensor]], results: Sequence[torch.Tensor | None]
+    needed: list[bool], xs: list[torch.Tensor], results: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor | None, ...]:
-    """B's ``dinputs`` (one per of the ``n`` input values; ``grad_inputs``: the
-    position and tensor of each that needs a gradient, ``results`` their
-    gradients), each accumulated into its input's ``.grad`` as upstream does."""
-    dinputs: list[torch.Tensor | None] = [None] * n
-    for (k, v), g in zip(grad_inputs, results):
-        dinputs[k] = g
+    """B's ``dinputs``, one per input value (``needed``: whether it needs a
+    gradient; ``xs``: those that do, ``results`` their gradients), each
+    accumulated into its input's ``.grad`` as upstream does."""
+    for x, g in zip(xs, results):
         if g is not None:
-            if v.grad is None:
-                v.grad = g
+            if x.grad is None:
+                x.grad = g
             else:
-                v.grad += g
-    return tuple(dinputs)
+                x.grad += g
+    if len(results) == len(needed):  # (every input needs one)
+        return tuple(results)
+    found = iter(results)  # (empty where B had nothing to run)
+    return tuple(next(found, None) if n else None for n in needed)
 
 
 def _checked_call(
