@@ -1365,7 +1365,8 @@ def fake_like(tensor: torch.Tensor, examples: Sequence[Any]) -> Any:
 class AccumulationLedger:
     """Which ``.grad`` tensors an accumulating dW graph has begun and finished
     writing, by data pointer, as its :data:`ACCUMULATION_BEGINS` /
-    :data:`ACCUMULATION_ENDS` brackets ran (see :func:`recording_accumulation`)."""
+    :data:`ACCUMULATION_ENDS` brackets ran, and :data:`ADDMM_INTO` (one write:
+    finished, or not begun) (see :func:`recording_accumulation`)."""
 
     __slots__ = ("begun", "ended")
 
@@ -1450,23 +1451,14 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
     lib.define("addmm_into(Tensor(a!) grad, Tensor a, Tensor b) -> ()", tags=(torch.Tag.flexible_layout,))
 
     def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        # Recorded as one write (see AccumulationLedger): addmm_ either raises
-        # before writing or writes all of grad. (This kernel also serves fake
-        # tensors, which have no data pointer: none is read outside a ledger.)
-        ledger = _LEDGERS.current
-        if ledger is _NO_LEDGER:
-            grad.addmm_(a, b)
-            return
-        ptr = grad.data_ptr()
-        ledger.begun.add(ptr)
-        try:
-            grad.addmm_(a, b)
-        except BaseException:
-            ledger.begun.discard(ptr)  # it checks and allocates before it writes
-            raise
-        ledger.ended.add(ptr)
+        # addmm_ raises before it writes (it checks and allocates first) or
+        # writes all of grad: one write, recorded once done (AccumulationLedger;
+        # outside recording_accumulation, a sink that keeps nothing).
+        grad.addmm_(a, b)
+        _LEDGERS.current.ended.add(grad.data_ptr())
 
     lib.impl("addmm_into", addmm_into, "CompositeExplicitAutograd")
+    lib.impl("addmm_into", lambda grad, a, b: None, "Meta")  # (fake tensors have no data pointer)
     # FlopCounterMode counts it as the GEMM it is.
     flop_counter.register_flop_formula(torch.ops.fxsplit.addmm_into)(
         lambda grad_shape, a_shape, b_shape, out_shape=None, **kwargs: flop_counter.mm_flop(a_shape, b_shape)
