@@ -537,7 +537,7 @@ def aot_backward_state() -> tuple[bool, bool, bool, bool]:
     backward)."""
     return (
         torch._C._is_any_autocast_enabled(),
-        torch.are_deterministic_algorithms_enabled(),
+        torch._C._get_deterministic_algorithms(),
         torch._C._functorch.peek_interpreter_stack() is not None,
         torch.is_grad_enabled(),
     )

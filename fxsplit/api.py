@@ -81,6 +81,10 @@ _GRAD_FN = operator.attrgetter("grad_fn")
 _METADATA = operator.attrgetter("metadata")
 _B_MARK = operator.methodcaller("get", _B_DONE)
 _META = operator.attrgetter("shape", "dtype", "device")
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
+_RETAINS_GRAD = operator.attrgetter("retains_grad")
+_OUTPUT_NR = operator.attrgetter("output_nr")
+_NONES = itertools.repeat(None)
 
 
 def _b_ran_on(o: torch.Tensor) -> bool:
@@ -482,7 +486,7 @@ def _direct_call(
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
     by_output = _gradients_by_output(node, outs, grads)
-    if by_output is None or ti.node_has_hooks(node) or any(x._backward_hooks or x.retains_grad for x in xs):
+    if by_output is None or ti.node_has_hooks(node) or any(map(_TENSOR_HOOKS, xs)) or any(map(_RETAINS_GRAD, xs)):
         return None
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None
@@ -495,15 +499,12 @@ def _gradients_by_output(
     """``{output_nr: gradient}`` where every output is a plain tensor of
     ``node``'s, each once, with nothing autograd's engine would run on its way
     into ``node`` (a tensor hook, ``retain_grad``); else ``None``."""
-    by_output: dict[int, torch.Tensor] = {}
-    for o, g in zip(outs, grads):
-        if (
-            type(o) is not torch.Tensor or o.grad_fn is not node or o._backward_hooks or o.retains_grad
-            or o.output_nr in by_output
-        ):
-            return None
-        by_output[o.output_nr] = g
-    return by_output
+    if not ti.all_plain(outs) or not all(map(operator.is_, map(_GRAD_FN, outs), itertools.repeat(node))):
+        return None
+    if any(map(_TENSOR_HOOKS, outs)) or any(map(_RETAINS_GRAD, outs)):
+        return None
+    by_output = dict(zip(map(_OUTPUT_NR, outs), grads))
+    return by_output if len(by_output) == len(outs) else None
 
 
 def _outputs_are_the_captures(plan: EagerWeightPlan, outs: list[Any], grads: list[torch.Tensor]) -> bool:
@@ -529,9 +530,11 @@ def _run_direct(
     results = run_directly(node, grads, call)
     if not isinstance(results, (tuple, list)):
         results = (results,)
+    picked = list(map(results.__getitem__, edges))
+    if all(map(operator.is_not, picked, _NONES)) and list(map(_META, picked)) == list(map(_META, targets)):
+        return tuple(picked)  # (the common case: each as its target is, checked at once)
     out: list[torch.Tensor | None] = []
-    for k, x in zip(edges, targets):
-        g = results[k]
+    for g, x in zip(picked, targets):
         if g is not None and (g.shape != x.shape or g.dtype != x.dtype or g.device != x.device):
             if g.device != x.device:
                 raise RuntimeError(f"fxsplit: the gradient of a stage input came back on {g.device}, expected {x.device}")

@@ -203,6 +203,8 @@ class registered:  # noqa: N801 - used as a function: ``with registered(nodes, c
 # The node run_directly is running on this thread (the engine reports none
 # then), and the _Probe of a call that learns the node's AotCall.
 _direct = threading.local()
+_SHAPE = operator.attrgetter("shape")
+_STRIDE = operator.methodcaller("stride")
 # On a region's autograd node class: (its CompiledSplitBackward, its AotCall).
 _AOT_CALL = "_fxsplit_aot_call"
 
@@ -232,12 +234,11 @@ class AotCall:
     class: one compiled variant of a region.
     """
 
-    __slots__ = ("prefix", "tangents", "types", "layouts", "state")
+    __slots__ = ("prefix", "tangents", "layouts", "state")
 
     def __init__(self, prefix: int, tangents: tuple[int, ...], layouts: list[Any], state: tuple[bool, ...]) -> None:
         self.prefix = prefix
         self.tangents = tangents
-        self.types = [torch.Tensor] * len(tangents)
         self.layouts = layouts
         self.state = state
 
@@ -247,10 +248,10 @@ class AotCall:
         if len(grads) != len(self.tangents) or ti.aot_backward_state() != self.state:
             return None
         try:
-            gs = [grads[k] for k in self.tangents]
+            gs = list(map(grads.__getitem__, self.tangents))
         except KeyError:
             return None
-        if list(map(type, gs)) != self.types or [(g.shape, g.stride()) for g in gs] != self.layouts:
+        if not ti.all_plain(gs) or list(zip(map(_SHAPE, gs), map(_STRIDE, gs))) != self.layouts:
             return None
         args = ti.aot_saved_args(node)
         if len(args) != self.prefix:
