@@ -697,7 +697,12 @@ def storage_ptr_list(values: Sequence[Any]) -> list[int | None]:
 def storage_ptrs(values: Sequence[Any]) -> set[int]:
     """The storages of the plain tensors among ``values`` (:func:`storage_ptr_list`)."""
     tensors = values if all_plain(values) else [t for t in values if type(t) is _PLAIN]
-    return set(storage_ptr_list(tensors))  # type: ignore[arg-type]
+    try:
+        if not any(map(_storage_offset, tensors)):  # (each starts its storage: its data pointer is the storage's)
+            return set(map(_data_ptr, tensors))
+    except RuntimeError:  # a layout without strided storage: storage_ptr decides
+        pass
+    return set(map(storage_ptr, tensors))
 
 
 def all_plain(values: Sequence[Any]) -> bool:

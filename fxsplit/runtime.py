@@ -798,6 +798,11 @@ class CompiledSplitBackward(CompiledGraphs):
         # W must not read there (the trees may free them): dI's outputs copy them.
         self._tree_notice: Callable[[], None] | None = None
         self._passthrough, self.passthrough_live_ins, self._tangents = _passthrough_and_tangents(split)
+        # Where each backward output is found in [*dI's, None] and in [*dI's, *dW's, None] (_assemble).
+        place = {i: k for k, i in enumerate((*split.di_outputs, *split.dw_outputs))}
+        n_di, n_all = len(split.di_outputs), len(place)
+        self._di_places = tuple(place[i] if place.get(i, n_di) < n_di else n_di for i in range(split.num_outputs))
+        self._places = tuple(place.get(i, n_all) for i in range(split.num_outputs))
         self.split = split
         self.name = name
         # None: fxsplit.config.fused_accumulation decides at W; False: never.
@@ -866,7 +871,7 @@ class CompiledSplitBackward(CompiledGraphs):
                     f"fxsplit: {self.name}: no split backward ran, so its DTensor gradients cannot be built"
                 )
             if flat is None:
-                flat = self._assemble((), dw_vals)
+                flat = self._assemble([None] * len(self.split.di_outputs), dw_vals)
             result.append(self._subclass_grads.gradient(grad.input_index, flat))
         return result
 
@@ -975,13 +980,11 @@ class CompiledSplitBackward(CompiledGraphs):
         return outs[:n], outs[n:], slot
 
     def _assemble(self, di_vals: Sequence[Any], dw_vals: Sequence[Any] | None) -> list[Any]:
-        result: list[Any] = [None] * self.split.num_outputs
-        for i, v in zip(self.split.di_outputs, di_vals):
-            result[i] = v
-        if dw_vals is not None:
-            for i, v in zip(self.split.dw_outputs, dw_vals):
-                result[i] = v
-        return result
+        """The backward's outputs: ``di_vals`` and ``dw_vals`` (``None``: none
+        yet) at their places, ``None`` elsewhere (one C-level pass)."""
+        if dw_vals is None:
+            return list(map([*di_vals, None].__getitem__, self._di_places))
+        return list(map([*di_vals, *dw_vals, None].__getitem__, self._places))
 
     def _full(self, args: list[Any]) -> list[Any]:
         if self.fused_backward:
