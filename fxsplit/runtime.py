@@ -814,9 +814,9 @@ class CompiledSplitBackward(CompiledGraphs):
         # One per weight, in dW output order: the pieces W hands to autograd as one gradient.
         self.weight_grads: tuple[WeightGradient, ...] = self.layout.weight_gradients(split.dw_outputs)
         # The autograd node's edges (one per tensor input), and per weight
-        # gradient the index of its weight's edge among them, decided once;
-        # the same positions read in one C-level call, where every weight
-        # gradient has an edge (the common case; None otherwise).
+        # gradient the index of its weight's edge among them (None where it
+        # has none), decided once; where every one has an edge (the common
+        # case), _record reads them in one C-level pass.
         flags = self.layout.input_is_tensor
         self._num_edges = sum(flags)
         self._has_subclass_inputs = bool(self.layout.subclass_inputs)
@@ -824,7 +824,7 @@ class CompiledSplitBackward(CompiledGraphs):
             sum(flags[: g.input_index]) if g.input_index < len(flags) and flags[g.input_index] else None
             for g in self.weight_grads
         )
-        self._weight_edges_getter = ti.items_getter(self._weight_edges) if None not in self._weight_edges else None
+        self._every_weight_edge = None not in self._weight_edges
         # Builds DTensor gradients from their pieces; read off the region's
         # autograd node by the first split backward (see _input_only).
         self._subclass_grads: ti.SubclassGradients | None = None
@@ -1071,11 +1071,11 @@ class CompiledSplitBackward(CompiledGraphs):
             # retained graph would keep them until W: free them now.
             ti.release_saved_tensors(node)
         found = call.region_params.get(node)
-        getter = self._weight_edges_getter
-        if children is not None and found is not None and getter is not None and not any(
-            map(operator.is_, params := getter(found), itertools.repeat(None))
+        at = self._weight_edges
+        if children is not None and found is not None and self._every_weight_edge and not any(
+            map(operator.is_, params := list(map(found.__getitem__, at)), itertools.repeat(None))
         ):  # every weight gradient's weight was given to B (the common case)
-            accumulators = getter(children)
+            accumulators = list(map(children.__getitem__, at))
         elif children is not None and found is not None:
             params = [found[j] if j is not None else None for j in self._weight_edges]
             accumulators = [children[j] if p is not None else None for j, p in zip(self._weight_edges, params)]

@@ -58,7 +58,7 @@ import collections
 import dataclasses
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -549,7 +549,6 @@ def _direct_edges(node: Node, entries: dict[Any, int], xs: Sequence[torch.Tensor
 
 
 _first = operator.itemgetter(0)
-items_getter = ti.items_getter
 _node_of = operator.attrgetter("node")
 _variable = operator.attrgetter("variable")
 _requires_grad = operator.attrgetter("requires_grad")
@@ -693,22 +692,23 @@ class _RegionShape:
     ``parent``/``at``: the node is the ``at``-th stage output's node
     (``parent`` -1) or the ``at``-th child of region ``parent`` (an earlier one).
     ``kinds``: the type of each of its ``next_functions``' nodes. ``nodes_at``
-    and ``accumulators_at`` pick, from those children, the ones that must be
-    given nodes (regions, stage inputs' gradient nodes) and the grad
-    accumulators (whose variables must be given tensors); ``expected`` picks
-    what they must be from the call's pool ``[*weights, *inputs, *regions]``
-    (an input is its gradient node, or itself where it is a leaf).
-    ``params``: from ``[*weights, None]``, the plan's ``region_params`` row.
+    and ``accumulators_at`` are the positions, among those children, of the
+    ones that must be given nodes (regions, stage inputs' gradient nodes) and
+    of the grad accumulators (whose variables must be given tensors);
+    ``expected`` the positions of what they must be in the call's pool
+    ``[*weights, *inputs, *regions]`` (an input is its gradient node, or
+    itself where it is a leaf). ``params``: positions in ``[*weights, None]``
+    of the plan's ``region_params`` row.
     """
 
     cls: type
     parent: int
     at: int
     kinds: tuple[type, ...]
-    nodes_at: Callable[[Sequence[Any]], list[Any]]
-    accumulators_at: Callable[[Sequence[Any]], list[Any]]
-    expected: Callable[[Sequence[Any]], list[Any]]
-    params: Callable[[Sequence[Any]], list[Any]]
+    nodes_at: tuple[int, ...]
+    accumulators_at: tuple[int, ...]
+    expected: tuple[int, ...]
+    params: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,7 +738,7 @@ class StageShape:
     inputs: int
     outputs: int
     regions: tuple[_RegionShape, ...]
-    output_regions: Callable[[Sequence[Any]], list[Any]]
+    output_regions: tuple[int, ...]  # each output's region, by position in the regions
     first: bool
     # The plan's fields that are the same on every replay (read-only, shared).
     fields: dict[str, Any]
@@ -769,10 +769,10 @@ class StageShape:
             children.append(kids)
         pool = [*weights, *[x if x.grad_fn is None else x.grad_fn for x in xs], *nodes]
         for r, kids in zip(self.regions, children):
-            found = r.nodes_at(kids) + list(map(_variable, r.accumulators_at(kids)))
-            if not all(map(operator.is_, found, r.expected(pool))):
+            found = [*map(kids.__getitem__, r.nodes_at), *map(_variable, map(kids.__getitem__, r.accumulators_at))]
+            if not all(map(operator.is_, found, map(pool.__getitem__, r.expected))):
                 return None
-        if not all(map(operator.is_, out_nodes, self.output_regions(nodes))):
+        if not all(map(operator.is_, out_nodes, map(nodes.__getitem__, self.output_regions))):
             return None
         if self.input_numbers:
             edges = nodes[0].next_functions
@@ -782,7 +782,7 @@ class StageShape:
         plan.__dict__.update(self.fields)
         plan.split_regions = nodes
         row = [*weights, None]
-        plan.region_params = {n: r.params(row) for n, r in zip(nodes, self.regions)}
+        plan.region_params = dict(zip(nodes, [list(map(row.__getitem__, r.params)) for r in self.regions]))
         plan.region_children = dict(zip(nodes, children))
         if self.first:
             plan.bottom_regions = nodes
@@ -816,7 +816,7 @@ def _stage_shape(
         numbers = tuple((k, i, x.output_nr) for i, (k, x) in enumerate(zip(plan.direct_edges, xs)) if x.grad_fn is not None)
     return StageShape(
         refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shapes),
-        items_getter([index[n] for n in out_nodes]), bool(plan.captures),
+        tuple(index[n] for n in out_nodes), bool(plan.captures),
         {**_COMPILED_ONLY_FIELDS, "output_users": plan.output_users, "commit_plans": [],
          "unreached": plan.unreached, "direct_edges": plan.direct_edges, "prepared": True}, numbers,
     )
@@ -848,8 +848,8 @@ def _region_shape(
             node_pos.append(k)
             node_exp.append(n_w + n_x + index[c] if c in index else n_w + input_node_at[c])
     params = [n_w if p is None else weight_at[id(p)] for p in plan.region_params[node]]
-    return _RegionShape(type(node), parent, at, tuple(map(type, kids)), items_getter(node_pos),
-                        items_getter(acc_pos), items_getter(node_exp + acc_exp), items_getter(params))
+    return _RegionShape(type(node), parent, at, tuple(map(type, kids)), tuple(node_pos), tuple(acc_pos),
+                        tuple(node_exp + acc_exp), tuple(params))
 
 
 def prepare_regions(nodes: Iterable[Node]) -> None:
