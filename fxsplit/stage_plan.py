@@ -1,10 +1,10 @@
 """The plan of a stage's B: which compiled regions it splits, the eager split over the
 ordinary autograd nodes around them (the reverse-closure idea of
 ``torch.distributed.pipelining._backward``), and what it leaves to W. Every B is
-planned here, by :func:`plan_stage`: a stage of compiled regions only is planned
-once (:func:`compiled_only_plan`) and its plan replayed on later microbatches
-behind a guard (:class:`StageShape`); any other stage is planned on every call
-(:func:`plan_eager_weight_work`), as its plan holds that microbatch's eager nodes.
+planned here, by :func:`plan_stage` (:func:`plan_eager_weight_work`): a stage of
+compiled regions only, whose plan has no eager part, is planned once and its plan
+replayed on later microbatches behind a guard (:class:`StageShape`); any other
+stage is planned on every call, as its plan holds that microbatch's eager nodes.
 
 Terms used below, for one stage:
 
@@ -72,7 +72,6 @@ __all__ = [
     "EagerWeightPlan",
     "StageShape",
     "WeightGroup",
-    "compiled_only_plan",
     "gradient_edge",
     "plan_eager_weight_work",
     "plan_stage",
@@ -247,29 +246,6 @@ class EagerWeightPlan:
     # when it was first built); otherwise B compiles them before its call.
     prepared: bool = False
 
-    @classmethod
-    def compiled_only(
-        cls,
-        split_regions: list[Node],
-        outputs: int,
-        region_params: dict[Node, list[torch.Tensor | None]],
-        region_children: dict[Node, list[Node | None]],
-        unreached: int = 0,
-    ) -> EagerWeightPlan:
-        """The plan of a stage of split regions only (:func:`compiled_only_plan`):
-        nothing for eager autograd in W. Built without the dataclass's
-        constructor, on every B: its empty fields are shared, read-only
-        (nothing changes a plan once built)."""
-        plan = object.__new__(cls)
-        plan.__dict__.update(_COMPILED_ONLY_FIELDS)
-        plan.split_regions = split_regions
-        plan.output_users = [[] for _ in range(outputs)]
-        plan.region_params = region_params
-        plan.region_children = region_children
-        if unreached:
-            plan.unreached = unreached
-        return plan
-
     @property
     def eager_weights(self) -> list[torch.Tensor]:
         return [w for g in self.groups for w in g.weights]
@@ -277,15 +253,6 @@ class EagerWeightPlan:
     @property
     def empty(self) -> bool:
         return not self.groups
-
-
-# The fields of a compiled-only plan that are the same on every B (empty).
-_COMPILED_ONLY_FIELDS: dict[str, Any] = {
-    "intermediates": [], "w_roots": [], "groups": [], "unreached": 0, "region_starts": [], "once": [],
-    "w_side": frozenset(),
-    "rerun": frozenset(), "release": [], "above": [], "bottom_regions": [], "captures": [],
-    "direct_edges": None, "prepared": False, "commit_plans": None,
-}
 
 
 def _group_weights(
@@ -425,126 +392,69 @@ def _bottom_regions(
     return bottom, [GradientEdge(n, nr) for n, nr in edges]
 
 
-def compiled_only_plan(
-    output_edges: Sequence[GradientEdge],
-    inputs: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-) -> EagerWeightPlan | None:
-    """The plan of a stage whose backward is fxsplit-compiled regions only (the
-    common case: a stage compiled whole, or in pieces across graph breaks), or
-    ``None`` when it is anything else.
+def _read_regions(plan: EagerWeightPlan, out_nodes: Sequence[Node], xs: Sequence[torch.Tensor],
+                  weights: Sequence[torch.Tensor]) -> bool:
+    """Complete ``plan`` with what a :class:`StageShape` replays, where the stage
+    is fxsplit-compiled regions only (the common case: a stage compiled whole,
+    or in pieces across graph breaks), and say whether it is.
 
-    Such a stage has nothing for eager autograd to do in W: every node below
-    the outputs is a split region, the gradient node of a stage input, or the
-    grad accumulator of a given ``nn.Parameter`` (whose gradient a region's dW
-    graph computes), and every region leads to a stage input.
-    ``inputs``: the stage inputs that need a gradient (a leaf among them is
-    known by its grad accumulator's variable). With none (a first stage), only
-    a stage of one region whose outputs are the stage's is planned here: that
-    region is the bottom region, and the gradients flowing into it are the
-    output gradients themselves. Given weights that no region reaches are
-    counted in ``unreached``, as the general plan counts them; W leaves them as
-    ordinary backward does. Run once per stage shape (:func:`plan_stage`
-    replays its result), so it is written for reading, not speed.
-    """
-    leaves = {id(x) for x in inputs if x.grad_fn is None}
-    input_nodes = {x.grad_fn for x in inputs if x.grad_fn is not None}
-    given = {id(w) for w in weights}
-    walked = _walk_regions(output_edges, leaves, input_nodes, given)
-    if walked is None:
-        return None
-    below, region_params, region_children, entries, found = walked
-    if not below:
-        return None
-    wanted = {id(w) for w in weights if w.requires_grad}
-    plan = EagerWeightPlan.compiled_only(
-        list(below), len(output_edges), region_params, region_children,
-        0 if found == given else len(wanted) - len(found),
-    )
-    if not inputs:  # a first stage: one region, whose outputs are the stage's
-        (node, *others) = below
-        if others or any(e.node is not node for e in output_edges):
-            return None
-        plan.bottom_regions = [node]
-        plan.captures = list(output_edges)
-        return plan
-    if not _every_region_reaches_an_input(below, input_nodes, leaves):
-        return None  # (that region's whole backward is W work)
-    if len(below) == 1:
-        (node,) = below
-        plan.direct_edges = _direct_edges(node, entries[node], inputs)
-    return plan
-
-
-def _walk_regions(
-    output_edges: Sequence[GradientEdge], leaves: set[int], input_nodes: set[Node], given: set[int]
-) -> tuple[dict[Node, list[Node]], dict[Node, list[Any]], dict[Node, list[Any]], dict[Node, dict[Any, int]], set[int]] | None:
-    """:func:`compiled_only_plan`'s walk from the outputs' nodes: per split region,
-    the regions and inputs right below it, the given parameter behind each edge,
-    each edge's node and where each input enters (by key: a leaf's ``id``, or
-    ``(id(node), output_nr)``; -1 where it enters by several edges), and the ids
-    of the weights found; ``None`` at the first node that is no split region, or
-    a leaf that is neither a stage input nor a given ``nn.Parameter``."""
+    Such a stage's plan has no eager part (no group, node run once,
+    intermediate or W root), every node below its outputs is a split region,
+    a stage input's gradient node, or the grad accumulator of a stage input
+    or of a given ``nn.Parameter`` (whose gradient a region's dW graph
+    computes); a first stage (no ``xs``) is one region whose outputs are the
+    stage's. Sets ``split_regions`` in the order of a walk from the outputs
+    (each region after one above it), and per region its ``region_children``
+    (the node of each of its ``next_functions``) and ``region_params`` (the
+    given parameter behind each, ``None`` elsewhere); for one region with
+    inputs, ``direct_edges`` (see there)."""
+    if plan.groups or plan.once or plan.intermediates or plan.w_roots:
+        return False
     accumulate_grad = ti.accumulate_grad_type()
-    below: dict[Node, list[Node]] = {}  # region -> the regions and inputs right below it
-    found: set[int] = set()
-    region_params: dict[Node, list[torch.Tensor | None]] = {}
-    region_children: dict[Node, list[Node | None]] = {}
-    entries: dict[Node, dict[Any, int]] = {}  # region -> {input key: its edge, -1 where several}
-    queue = [e.node for e in output_edges]
+    leaves = {id(x) for x in xs if x.grad_fn is None}
+    input_nodes = {x.grad_fn for x in xs if x.grad_fn is not None}
+    given = {id(w) for w in weights}
+    children: dict[Node, list[Node | None]] = {}
+    params: dict[Node, list[torch.Tensor | None]] = {}
+    queue = list(out_nodes)
     while queue:
         node = queue.pop()
-        if node is None or node in below or node in input_nodes:
+        if node in children or node in input_nodes:
             continue
-        if not is_split_region(node):
-            return None
-        below[node], region_params[node], region_children[node], entries[node] = [], [], [], {}
-        for k, (child, nr) in enumerate(node.next_functions):
-            region_children[node].append(child)
-            param, key = None, None
-            if type(child) is accumulate_grad and id(child.variable) in leaves:
-                key = id(child.variable)
-            elif type(child) is accumulate_grad:
-                param = child.variable
-                if id(param) not in given or not isinstance(param, torch.nn.Parameter):
-                    return None  # a leaf no given weight, or a plain-tensor weight: the general plan
-                found.add(id(param))
-            elif child in input_nodes:
-                key = (id(child), nr)
-            elif child is not None:
-                queue.append(child)
-            region_params[node].append(param)
-            if key is not None:
-                entries[node][key] = -1 if key in entries[node] else k
-            if child is not None and param is None:
-                below[node].append(child)
-    return below, region_params, region_children, entries, found
+        if node is None or not is_split_region(node):
+            return False
+        kids = children[node] = [c for c, _ in node.next_functions]
+        row = params[node] = []
+        for c in kids:
+            if type(c) is accumulate_grad and id(c.variable) not in leaves:
+                if id(c.variable) not in given or not isinstance(c.variable, torch.nn.Parameter):
+                    return False  # a leaf no given weight, or a plain-tensor weight: the general plan's
+                row.append(c.variable)
+                continue
+            if c is not None and type(c) is not accumulate_grad:
+                queue.append(c)
+            row.append(None)
+    nodes = list(children)
+    if not nodes or not xs and (len(nodes) != 1 or any(n is not nodes[0] for n in out_nodes)):
+        return False
+    plan.split_regions, plan.region_children, plan.region_params = nodes, children, params
+    if len(nodes) == 1 and xs:
+        plan.direct_edges = _direct_edges(nodes[0], xs)
+    return True
 
 
-def _every_region_reaches_an_input(below: dict[Node, list[Node]], input_nodes: set[Node], leaves: set[int]) -> bool:
-    """Whether every region leads to a stage input, by the nodes right below each."""
-    reaches: set[Node] = set()
-    grew = True
-    while grew:  # a fixpoint: regions are few
-        grew = False
-        for node, nodes in below.items():
-            if node not in reaches and any(
-                c in input_nodes or c in reaches or id(getattr(c, "variable", None)) in leaves for c in nodes
-            ):
-                reaches.add(node)
-                grew = True
-    return len(reaches) == len(below)
-
-
-def _direct_edges(node: Node, entries: dict[Any, int], xs: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+def _direct_edges(node: Node, xs: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
     """The position among ``node``'s next_functions where each of ``xs``
-    enters it, each by one edge of its own (``entries``: by input key, -1
-    where it enters by several), or ``None``: some input does not, or a
-    forward argument of the region is no tensor (a symbolic size: the node's
-    results are then not its edges')."""
+    enters it, each by one edge of its own, or ``None``: some input does not,
+    or a forward argument of the region is no tensor (a symbolic size: the
+    node's results are then not its edges')."""
     if len(node.needs_input_grad) != len(node.next_functions):
         return None
-    edges = [entries.get(id(x) if x.grad_fn is None else (id(x.grad_fn), x.output_nr), -1) for x in xs]
+    where: dict[Any, int] = {}
+    for k, (c, nr) in enumerate(node.next_functions):
+        key = id(c.variable) if type(c) is ti.accumulate_grad_type() else (id(c), nr)
+        where[key] = -1 if key in where else k
+    edges = [where.get(id(x) if x.grad_fn is None else (id(x.grad_fn), x.output_nr), -1) for x in xs]
     return None if -1 in edges else tuple(edges)
 
 
@@ -681,6 +591,8 @@ def plan_eager_weight_work(
 # of it), at most this many per class: one per stage usually; a block compiled
 # once and run by several stages (the same code, other weights) has one per stage.
 MAX_PLANS_PER_REGION = 8
+# A plan's fields that hold this microbatch's nodes or weights: StageShape.replay sets them.
+_PER_CALL = frozenset({"split_regions", "region_params", "region_children", "bottom_regions", "captures"})
 _PLANS_ATTR = "_fxsplit_b_plans"
 
 
@@ -715,7 +627,7 @@ class _RegionShape:
 class StageShape:
     """What a stage of split regions only looked like when B planned it, and the
     plan's stage-independent results: :meth:`replay` gives the plan of a new
-    microbatch that looks the same, without :func:`compiled_only_plan`'s walk.
+    microbatch that looks the same, without planning it.
 
     The guard (:meth:`replay` returns ``None`` unless all hold): the same
     weights, the same objects in the same order, each with the same
@@ -727,8 +639,10 @@ class StageShape:
     weight is another object) or this call's leaf inputs, its other children
     the same regions or this call's inputs' gradient nodes (at the same
     output number where B may call the region's node itself); every output's
-    node the region it was. That is everything :func:`compiled_only_plan`
-    reads, so the walk would return the same plan; what B and W decide per
+    node the region it was. That is everything the plan of a stage of
+    compiled regions only depends on (:func:`_read_regions`: nothing but
+    regions, inputs and given weights below the outputs), so planning again
+    would return the same plan; what B and W decide per
     call (hooks, ``.grad``, layouts, anomaly mode, streams) is not in a plan.
     Holds the weights weakly (a plan does not keep a model alive).
     """
@@ -793,7 +707,7 @@ class StageShape:
 def _stage_shape(
     plan: EagerWeightPlan, out_nodes: Sequence[Any], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
 ) -> StageShape | None:
-    """The :class:`StageShape` of a plan :func:`compiled_only_plan` made for
+    """The :class:`StageShape` of a plan :func:`_read_regions` completed for
     this call, or ``None`` where it cannot say (a weight that cannot be
     referenced weakly)."""
     nodes = plan.split_regions
@@ -809,7 +723,7 @@ def _stage_shape(
         shapes = [_region_shape(plan, i, out_nodes, n_w, n_x, index, weight_at, leaf_at, input_node_at, accumulate_grad)
                   for i in range(len(nodes))]
         refs = tuple(map(weakref.ref, weights))
-    except (KeyError, ValueError, TypeError, StopIteration):  # (not a plan compiled_only_plan made; a weight with no weak reference)
+    except (KeyError, ValueError, TypeError, StopIteration):  # (a child it cannot place; a weight with no weak reference)
         return None
     numbers = ()
     if plan.direct_edges is not None:
@@ -817,8 +731,8 @@ def _stage_shape(
     return StageShape(
         refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shapes),
         tuple(index[n] for n in out_nodes), bool(plan.captures),
-        {**_COMPILED_ONLY_FIELDS, "output_users": plan.output_users, "commit_plans": [],
-         "unreached": plan.unreached, "direct_edges": plan.direct_edges, "prepared": True}, numbers,
+        {**{k: v for k, v in vars(plan).items() if k not in _PER_CALL}, "bottom_regions": [], "captures": [],
+         "w_side": frozenset(), "rerun": frozenset(), "commit_plans": [], "prepared": True}, numbers,
     )
 
 
@@ -872,13 +786,14 @@ def plan_stage(
     """B's plan for a stage with outputs ``outs`` (whose gradients flow into
     ``out_edges``), inputs needing a gradient ``xs`` and ``weights``.
 
-    A stage of split regions only is planned once (:func:`compiled_only_plan`)
-    and replayed on later microbatches while its :class:`StageShape` guard
-    holds; a miss plans again (and keeps the new shape beside the old, up to
-    :data:`MAX_PLANS_PER_REGION`), never answers wrongly. Any other stage is
-    planned on every call (:func:`plan_eager_weight_work`), as its plan holds
-    this microbatch's eager nodes. Every split region's graphs are compiled
-    when the returned plan is ``prepared``; otherwise B compiles them.
+    Planned by :func:`plan_eager_weight_work`. Where the plan has no eager part
+    (a stage of fxsplit-compiled regions only, :func:`_read_regions`), it is
+    kept with its :class:`StageShape` and replayed on later microbatches while
+    that guard holds; a miss plans again (and keeps the new shape beside the
+    old, up to :data:`MAX_PLANS_PER_REGION`), never answers wrongly. Any other
+    stage is planned on every call, as its plan holds this microbatch's eager
+    nodes. Every split region's graphs are compiled when the returned plan is
+    ``prepared``; otherwise B compiles them.
     """
     out_nodes = list(map(_node_of, out_edges))
     shapes = type(out_nodes[0]).__dict__.get(_PLANS_ATTR) if out_nodes else None  # (only split regions' classes)
@@ -890,10 +805,10 @@ def plan_stage(
     elif shapes is None and out_nodes and out_nodes[0] is not None and is_split_region(out_nodes[0]):
         shapes = []
         setattr(type(out_nodes[0]), _PLANS_ATTR, shapes)
-    plan = compiled_only_plan(out_edges, xs, weights) if shapes is not None else None
-    if plan is None:
-        edges = [gradient_edge(o) for o in outs]
-        return plan_eager_weight_work(edges, [gradient_edge(x).node for x in xs] if outs else [], weights)
+    edges = [gradient_edge(o) for o in outs]
+    plan = plan_eager_weight_work(edges, [gradient_edge(x).node for x in xs] if outs else [], weights)
+    if shapes is None or not _read_regions(plan, out_nodes, xs, weights):
+        return plan
     prepare_regions(plan.split_regions)
     plan.prepared = True
     shape = _stage_shape(plan, out_nodes, xs, weights)

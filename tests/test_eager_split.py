@@ -429,14 +429,22 @@ def test_gradient_edge_as_stage_output(mode: str) -> None:
     assert_grads_equal([p.grad for p in params], ref_dw)
 
 
+def _compiled_only_plan(outs: list[torch.Tensor], xs: list[torch.Tensor], weights: list[torch.Tensor]) -> Any:
+    """B's plan (``plan_stage``) where it is one of a stage of compiled regions
+    only (kept and replayed; its regions prepared), else ``None``."""
+    from torch.autograd.graph import GradientEdge
+
+    from fxsplit.stage_plan import plan_stage
+
+    plan = plan_stage(outs, [GradientEdge(o.grad_fn, o.output_nr) for o in outs], xs, weights)
+    return plan if plan.prepared else None
+
+
 def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
     """B's plan of a stage of compiled regions only: the parameter behind each
     of a region node's children (``None`` for the stage input, a leaf or not,
-    and for children that are no grad accumulator), and no plan where a weight
-    the region uses was not given (the general plan then decides)."""
-    from torch.autograd.graph import GradientEdge
-
-    from fxsplit.stage_plan import compiled_only_plan
+    and for children that are no grad accumulator), and no such plan where a
+    weight the region uses was not given (the general plan then decides)."""
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 4))
@@ -447,8 +455,7 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         x = x0 if leaf else x0 * 1.0
         out = compiled(x)
         node = out.grad_fn
-        edges = [GradientEdge(node, 0)]
-        plan = compiled_only_plan(edges, [x], params)
+        plan = _compiled_only_plan([out], [x], params)
         assert plan is not None and plan.split_regions == [node]
         children = [c for c, _ in node.next_functions]
         expected = [getattr(c, "variable", None) for c in children]
@@ -457,17 +464,17 @@ def test_compiled_only_plan_reads_each_region_weight_and_leaf_input() -> None:
         got = plan.region_params[node]
         assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected)), (leaf, got)
         assert sum(v is not None for v in got) == len(params)
-        assert compiled_only_plan(edges, [x], params[1:]) is None
+        assert _compiled_only_plan([out], [x], params[1:]) is None
         assert not plan.groups and not plan.intermediates and not plan.captures
         # A given weight that needs no gradient is left out, and the weights are not known distinct.
         frozen = nn.Parameter(torch.randn(2), requires_grad=False)
-        with_frozen = compiled_only_plan(edges, [x], [*params, frozen])
+        with_frozen = _compiled_only_plan([out], [x], [*params, frozen])
         assert with_frozen is not None
         assert all(a is b for a, b in zip(with_frozen.region_params[node], got))
         # A region that leads to no stage input: its whole backward is W work (the general plan).
         other = torch.randn(3, 6, requires_grad=True)
         out_alone = compiled(torch.randn(3, 6))  # kept: its node's children are the weights' accumulators only
-        assert compiled_only_plan([GradientEdge(out_alone.grad_fn, 0)], [other], params) is None
+        assert _compiled_only_plan([out_alone], [other], params) is None
         _, work = fxsplit.stage_backward_input([out], [torch.randn_like(out)], [x], params)
         fxsplit.stage_backward_weight(params, work)
 
@@ -513,10 +520,6 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(
     untouched, as after ordinary backward."""
     import copy
 
-    from torch.autograd.graph import GradientEdge
-
-    from fxsplit.stage_plan import compiled_only_plan
-
     torch.manual_seed(0)
     model = _WithUnused()
     ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
@@ -533,7 +536,7 @@ def test_a_weight_the_stage_does_not_use_keeps_the_compiled_only_plan(
     x = torch.randn(3, 6, requires_grad=True)
     before = fxsplit.compiled_regions()
     out = fn(x)
-    plan = compiled_only_plan([GradientEdge(out.grad_fn, 0)], [x], params)
+    plan = _compiled_only_plan([out], [x], params)
     assert plan is not None and plan.unreached == 1
     fired: list[str] = []
     for m in (model, ordinary, eager):

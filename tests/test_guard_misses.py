@@ -219,20 +219,20 @@ class TwoRegions(nn.Module):
 
 @pytest.mark.parametrize("shape", ["one_region", "two_regions", "first_stage", "non_leaf_input"])
 def test_b_plans_once_then_replays_and_every_guard_miss_plans_again(shape: str, monkeypatch: Any) -> None:
-    """B walks a stage of compiled regions once (``compiled_only_plan``); later
+    """B plans a stage of compiled regions once (``plan_eager_weight_work``); later
     microbatches replay that plan behind its guard. The replayed plan is the one
     the walk would make; each thing the guard checks, changed, makes B walk again
     (a miss), and the microbatch's gradients are ordinary backward's."""
     from fxsplit import stage_plan
 
     walks: list[int] = []
-    walk = stage_plan.compiled_only_plan
+    walk = stage_plan.plan_eager_weight_work
 
     def counting(*args: Any) -> Any:
         walks.append(1)
         return walk(*args)
 
-    monkeypatch.setattr(stage_plan, "compiled_only_plan", counting)
+    monkeypatch.setattr(stage_plan, "plan_eager_weight_work", counting)
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = TwoRegions() if shape == "two_regions" else Block()
