@@ -108,8 +108,9 @@ def _refuse_compiled_autograd(what: str, regions: int) -> None:
     """Compiled autograd traces every node's backward into one graph, inlining a
     compiled region's whole backward instead of calling its runtime, so the
     split cannot happen there (B would record no W work). Stages without
-    fxsplit regions split correctly under it and are let through."""
-    if regions and ti.compiled_autograd_enabled():
+    fxsplit regions split correctly under it and are let through. Called
+    where compiled autograd is enabled."""
+    if regions:
         raise RuntimeError(
             f"fxsplit: {what} cannot split the backward of {regions} fxsplit-compiled region(s) under "
             "compiled autograd (torch._dynamo.compiled_autograd): it inlines each region's whole backward "
@@ -302,7 +303,8 @@ def stage_backward_input(
     if plan.groups:  # W starts autograd at some outputs: edges that keep their graph alive
         out_edges = [gradient_edge(o) for o in outs]
     if xs or plan.captures:
-        _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
+        if ti.compiled_autograd_enabled():
+            _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
         if not plan.prepared:
             prepare_regions(plan.split_regions)
     call, saved, results = _run_b(plan, outs, grads, xs, weights)
@@ -365,11 +367,14 @@ def _run_b(
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
     # the node), and the hooks are removed before B returns.
-    saved: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(plan.intermediates)
-    handles = [node.register_prehook(functools.partial(_save_into, saved, k)) for k, node in enumerate(plan.intermediates)]
     retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
     call = InputCall(weights, plan.region_params, plan.region_children, plan.region_starts, retain, plan.rerun)
-    if plan.once:  # (general plans only: a stage of compiled regions has none)
+    saved: list[tuple[torch.Tensor | None, ...] | None] = []
+    handles: list[Any] = []
+    if retain or plan.once:  # (general plans only: a stage of compiled regions has neither)
+        saved = [None] * len(plan.intermediates)
+        handles = [node.register_prehook(functools.partial(_save_into, saved, k))
+                   for k, node in enumerate(plan.intermediates)]
         _keep_outputs(plan.once, call.deferred, handles)
     captures = plan.captures
     try:
@@ -636,7 +641,8 @@ def stage_backward_weight(
     if fused_accumulation not in (None, True, False):
         raise TypeError(f"fxsplit: fused_accumulation must be True, False or None, got {fused_accumulation!r}")
     work = _check_weight_call(weights, param_groups)
-    _refuse_compiled_autograd("stage_backward_weight", work.regions_passed_through)
+    if ti.compiled_autograd_enabled():
+        _refuse_compiled_autograd("stage_backward_weight", work.regions_passed_through)
     message = _w_message(work) if log.isEnabledFor(logging.DEBUG) else ""
     work.run(fused_accumulation)
     if message:
