@@ -528,7 +528,7 @@ class CompiledWeightWork:
         live-ins), so an input gradient that is no live-in is left out: its
         storage may have been freed since B and be a new output's."""
         if self._held is None:
-            held = ti.storage_ptrs(self._owner.passthrough_live_ins(self._check()))
+            held = ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_live_ins)))
             if self._di_storages:
                 held |= self._di_storages & self.live_in_storages()
             self._held = frozenset(held)
@@ -541,7 +541,7 @@ class CompiledWeightWork:
         ``ptrs`` calls for the storages of every live-in."""
         if self._held is not None:
             return ptrs.isdisjoint(self._held)
-        if not ptrs.isdisjoint(ti.storage_ptrs(self._owner.passthrough_live_ins(self._check()))):
+        if not ptrs.isdisjoint(ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_live_ins)))):
             return False
         return ptrs.isdisjoint(self._di_storages) or ptrs.isdisjoint(self.held_elsewhere)
 
@@ -742,16 +742,16 @@ def _weight_grad_dtypes(split: SplitResult, weight_grads: Sequence[WeightGradien
 
 def _passthrough_and_tangents(
     split: SplitResult,
-) -> tuple[tuple[int, ...], Callable[[Sequence[Any]], Any], frozenset[int]]:
+) -> tuple[tuple[int, ...], tuple[int, ...], frozenset[int]]:
     """Where dI's outputs hold the live-ins that are the backward's own inputs
-    (after dI's own outputs); a reader of the same live-ins off W's live-ins
-    (dI's outputs after its own), in one call; and the output gradients among
-    dI's inputs (copied into a CUDA graph slot, not keying it)."""
+    (after dI's own outputs); where the same live-ins are among W's live-ins
+    (dI's outputs after its own); and the output gradients among dI's inputs
+    (copied into a CUDA graph slot, not keying it)."""
     n = len(split.di_outputs)
     passthrough = tuple(
         n + k for k, live in enumerate(split.live_ins) if live.source == "input" and live.kind == "tensor"
     )
-    return passthrough, ti.items_getter([i - n for i in passthrough]), frozenset(ti.tangent_positions(split.di_graph))
+    return passthrough, tuple(i - n for i in passthrough), frozenset(ti.tangent_positions(split.di_graph))
 
 
 class CompiledSplitBackward(CompiledGraphs):
