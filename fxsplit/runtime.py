@@ -249,7 +249,7 @@ class AotCall:
             return None
         try:
             gs = list(map(grads.__getitem__, self.tangents))
-        except KeyError:
+        except (KeyError, IndexError):  # (learned from gradients by output number, given a list, or the reverse)
             return None
         if not ti.all_plain(gs) or list(zip(map(_SHAPE, gs), map(_STRIDE, gs))) != self.layouts:
             return None
