@@ -280,9 +280,8 @@ def stage_backward_input(
     above the regions runs up to them, so W is left with the weight-gradient work; eager code
     below the regions, and a stage with no region, run at W (see :mod:`fxsplit.stage_plan`).
 
-    Only this call's autograd call is split: the compiled regions it runs are
-    registered on their autograd nodes while it runs, so backward calls of
-    other threads, models or microbatches stay ordinary.
+    Only this call's autograd call is split (the regions it runs are registered
+    on their nodes while it runs): other backward calls stay ordinary.
 
     ``stage_outputs_or_loss`` may be a tensor, a ``GradientEdge``, or a nested
     list/tuple/dict of them; ``output_grads`` is ``None`` (scalar losses) or has

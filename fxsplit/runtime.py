@@ -754,6 +754,15 @@ def _passthrough_and_tangents(
     return passthrough, tuple(i - n for i in passthrough), frozenset(ti.tangent_positions(split.di_graph))
 
 
+def _output_places(split: SplitResult) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where each backward output is found in ``[*dI's outputs, None]`` and in
+    ``[*dI's, *dW's, None]`` (:meth:`CompiledSplitBackward._assemble`)."""
+    place = {i: k for k, i in enumerate((*split.di_outputs, *split.dw_outputs))}
+    n_di, n_all = len(split.di_outputs), len(place)
+    di_places = tuple(place[i] if place.get(i, n_di) < n_di else n_di for i in range(split.num_outputs))
+    return di_places, tuple(place.get(i, n_all) for i in range(split.num_outputs))
+
+
 class CompiledSplitBackward(CompiledGraphs):
     """The backward of one fxsplit-compiled region, as AOTAutograd calls it.
 
@@ -798,11 +807,7 @@ class CompiledSplitBackward(CompiledGraphs):
         # W must not read there (the trees may free them): dI's outputs copy them.
         self._tree_notice: Callable[[], None] | None = None
         self._passthrough, self.passthrough_live_ins, self._tangents = _passthrough_and_tangents(split)
-        # Where each backward output is found in [*dI's, None] and in [*dI's, *dW's, None] (_assemble).
-        place = {i: k for k, i in enumerate((*split.di_outputs, *split.dw_outputs))}
-        n_di, n_all = len(split.di_outputs), len(place)
-        self._di_places = tuple(place[i] if place.get(i, n_di) < n_di else n_di for i in range(split.num_outputs))
-        self._places = tuple(place.get(i, n_all) for i in range(split.num_outputs))
+        self._di_places, self._places = _output_places(split)
         self.split = split
         self.name = name
         # None: fxsplit.config.fused_accumulation decides at W; False: never.
