@@ -528,7 +528,7 @@ class CompiledWeightWork:
         live-ins), so an input gradient that is no live-in is left out: its
         storage may have been freed since B and be a new output's."""
         if self._held is None:
-            held = ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_live_ins)))
+            held = ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_at)))
             if self._di_storages:
                 held |= self._di_storages & self.live_in_storages()
             self._held = frozenset(held)
@@ -541,7 +541,7 @@ class CompiledWeightWork:
         ``ptrs`` calls for the storages of every live-in."""
         if self._held is not None:
             return ptrs.isdisjoint(self._held)
-        if not ptrs.isdisjoint(ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_live_ins)))):
+        if not ptrs.isdisjoint(ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_at)))):
             return False
         return ptrs.isdisjoint(self._di_storages) or ptrs.isdisjoint(self.held_elsewhere)
 
@@ -806,7 +806,7 @@ class CompiledSplitBackward(CompiledGraphs):
         # backward's own inputs (saved activations in the trees' memory), which
         # W must not read there (the trees may free them): dI's outputs copy them.
         self._tree_notice: Callable[[], None] | None = None
-        self._passthrough, self.passthrough_live_ins, self._tangents = _passthrough_and_tangents(split)
+        self._passthrough, self.passthrough_at, self._tangents = _passthrough_and_tangents(split)
         self._di_places, self._places = _output_places(split)
         self.split = split
         self.name = name
