@@ -567,7 +567,7 @@ def _run_bottom_regions(plan: EagerWeightPlan, captured: Sequence[torch.Tensor |
     for node in plan.bottom_regions:
         run_directly(node, grads.pop(node))
         if node not in plan.rerun:
-            ti.release_saved_tensors(node)
+            ti.release_region_saved(node)
 
 
 def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> PendingWeightGrads:

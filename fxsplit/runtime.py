@@ -1074,7 +1074,7 @@ class CompiledSplitBackward(CompiledGraphs):
         if call.release_saved and node not in call.keep:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
-            ti.release_saved_tensors(node)
+            ti.release_region_saved(node)
         found = call.region_params.get(node)
         at = self._weight_edges
         if children is not None and found is not None and self._every_weight_edge and not any(
