@@ -355,19 +355,19 @@ def _takes_as_is(weight: torch.Tensor, grad: Any, ptr: int | None, avoid: Any) -
     return _in_weight_layout(weight, grad) and grad._base is None and ptr not in avoid
 
 
-# Per region (its runtime, weakly): a guard that passes exactly the weights
-# and gradients with the metadata of those of an earlier W whose gradients all
-# had their weight's layout (one C call instead of a Python check per weight;
-# a dW graph returns the same layouts every call). Whether a gradient has its
-# weight's layout (_in_weight_layout) is a function of that metadata only, so
-# the guard needs not know which weights it was made on.
-_LAYOUT_GUARDS: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
+# On each region's runtime, under this name: (how many weights, a guard that
+# passes exactly the weights and gradients with the metadata of those of an
+# earlier W whose gradients all had their weight's layout): one C call instead
+# of a Python check per weight; a dW graph returns the same layouts every call.
+# Whether a gradient has its weight's layout (_in_weight_layout) is a function
+# of that metadata only, so the guard needs not know which weights it was made on.
+_LAYOUT_GUARD = "_fxsplit_layout_guard"
 
 
 def _guarded(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
     """Whether the guard kept for ``owner`` passes ``weights`` and ``grads``:
     then every pair is in its weight's layout (:func:`_in_weight_layout`)."""
-    cached = _LAYOUT_GUARDS.get(owner)
+    cached = getattr(owner, _LAYOUT_GUARD, None)
     return cached is not None and cached[0] == len(weights) and cached[1](*weights, *grads)
 
 
@@ -391,7 +391,7 @@ def _taken(
         if weights and all(laid_out):
             guard = ti.metadata_guard([*weights, *grads])
             if guard is not None:
-                _LAYOUT_GUARDS[record.owner] = (len(weights), guard)
+                setattr(record.owner, _LAYOUT_GUARD, (len(weights), guard))
     avoid = shared | record.held_elsewhere
     return [ok and g._base is None and p not in avoid for ok, g, p in zip(laid_out, grads, ptrs)]
 
