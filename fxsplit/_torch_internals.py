@@ -683,26 +683,26 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 def storage_ptr_list(values: Sequence[Any]) -> list[int | None]:
     """:func:`storage_ptr` of each value, in order, ``None`` for anything but a
-    plain tensor (a DTensor's local storage is not its own to compare); where
-    all are plain and start their storage, read in bulk (a tensor's data
-    pointer is then its storage's)."""
-    try:
-        if all_plain(values) and not any(map(_storage_offset, values)):
-            return list(map(_data_ptr, values))
-    except RuntimeError:  # a layout without strided storage: storage_ptr decides
-        pass
+    plain tensor (a DTensor's local storage is not its own to compare)."""
+    if all_plain(values):
+        return _plain_storage_ptrs(values)  # type: ignore[return-value]
     return [storage_ptr(t) if type(t) is _PLAIN else None for t in values]
 
 
 def storage_ptrs(values: Sequence[Any]) -> set[int]:
     """The storages of the plain tensors among ``values`` (:func:`storage_ptr_list`)."""
-    tensors = values if all_plain(values) else [t for t in values if type(t) is _PLAIN]
+    return set(_plain_storage_ptrs(values if all_plain(values) else [t for t in values if type(t) is _PLAIN]))
+
+
+def _plain_storage_ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`storage_ptr` of each plain tensor; where all start their storage,
+    read in bulk (a tensor's data pointer is then its storage's)."""
     try:
-        if not any(map(_storage_offset, tensors)):  # (each starts its storage: its data pointer is the storage's)
-            return set(map(_data_ptr, tensors))
+        if not any(map(_storage_offset, tensors)):
+            return list(map(_data_ptr, tensors))
     except RuntimeError:  # a layout without strided storage: storage_ptr decides
         pass
-    return set(map(storage_ptr, tensors))
+    return list(map(storage_ptr, tensors))
 
 
 def all_plain(values: Sequence[Any]) -> bool:

@@ -414,6 +414,7 @@ def _read_regions(plan: EagerWeightPlan, out_nodes: Sequence[Node], xs: Sequence
     leaves = {id(x) for x in xs if x.grad_fn is None}
     input_nodes = {x.grad_fn for x in xs if x.grad_fn is not None}
     given = {id(w) for w in weights}
+    regions = set(plan.split_regions)  # (the planner's split regions: the walk decides none again)
     children: dict[Node, list[Node | None]] = {}
     params: dict[Node, list[torch.Tensor | None]] = {}
     queue = list(out_nodes)
@@ -421,7 +422,7 @@ def _read_regions(plan: EagerWeightPlan, out_nodes: Sequence[Node], xs: Sequence
         node = queue.pop()
         if node in children or node in input_nodes:
             continue
-        if node is None or not is_split_region(node):
+        if node not in regions:  # (eager code: the plan has it in its B set, or W's)
             return False
         kids = children[node] = [c for c, _ in node.next_functions]
         row = params[node] = []
@@ -450,9 +451,10 @@ def _direct_edges(node: Node, xs: Sequence[torch.Tensor]) -> tuple[int, ...] | N
     node's results are then not its edges')."""
     if len(node.needs_input_grad) != len(node.next_functions):
         return None
+    accumulate_grad = ti.accumulate_grad_type()
     where: dict[Any, int] = {}
     for k, (c, nr) in enumerate(node.next_functions):
-        key = id(c.variable) if type(c) is ti.accumulate_grad_type() else (id(c), nr)
+        key = id(c.variable) if type(c) is accumulate_grad else (id(c), nr)
         where[key] = -1 if key in where else k
     edges = [where.get(id(x) if x.grad_fn is None else (id(x.grad_fn), x.output_nr), -1) for x in xs]
     return None if -1 in edges else tuple(edges)
