@@ -329,14 +329,20 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor], call: InputCall | No
     weight gradients returned are ``None`` in B. ``call``: B's call, for a
     node not registered yet: it is registered for this call only, and
     ``RuntimeError`` is raised, running nothing, where another split call
-    holds it (as :class:`registered` does)."""
-    enabled = torch.is_grad_enabled()
+    holds it (as :class:`registered` does). Where the node's :class:`AotCall`
+    guard holds, this is :func:`route_backward`'s unwrapped call, made here."""
+    enabled, held = torch.is_grad_enabled(), getattr(node, _CALL_ATTR, None)
     if call is not None:
-        if getattr(node, _CALL_ATTR, None) is not None:
+        if held is not None:
             raise RuntimeError(_OVERLAP.format(node.name()))
         setattr(node, _CALL_ATTR, call)
     ti.set_grad_enabled(False)  # (as the engine runs a backward that does not create a graph)
     try:
+        b_call = call or held  # (B's: an InputCall; SPLIT_DONE and None take route_backward's way)
+        known = type(node).__dict__.get(_AOT_CALL) if type(b_call) is InputCall and config.skip_aot_wrapper else None
+        unwrapped = known[1].args(node, grads) if known is not None else None
+        if unwrapped is not None:
+            return known[0].run_unwrapped(b_call, node, unwrapped)
         return route_backward(node, grads, _outside_engine, (grads,))
     finally:
         ti.set_grad_enabled(enabled)
