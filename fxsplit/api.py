@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 
 from fxsplit import _torch_internals as ti
 from fxsplit import config
@@ -136,20 +136,21 @@ def _flatten_outputs(outputs: Any, grads: Any) -> tuple[list[Output], list[Any]]
     return outs, gs
 
 
-def _plain_pairs(outputs: Any, grads: Any) -> bool:
-    """Whether ``outputs`` and ``grads`` are flat sequences of one length of
-    plain tensors, each output requiring grad with an autograd node B has not
-    run from, each gradient of its output's shape, dtype and device and not
-    requiring grad: the common case, all of :func:`_flatten_outputs` and
-    :func:`_check_grads` decided in C-level passes."""
+def _plain_pairs(outputs: Any, grads: Any) -> list[Node] | None:
+    """The outputs' autograd nodes where ``outputs`` and ``grads`` are flat
+    sequences of one length of plain tensors, each output requiring grad with
+    an autograd node B has not run from, each gradient of its output's shape,
+    dtype and device and not requiring grad: the common case, all of
+    :func:`_flatten_outputs` and :func:`_check_grads` decided in C-level
+    passes; else ``None``."""
     if type(outputs) not in _SEQUENCES or type(grads) not in _SEQUENCES or len(grads) != len(outputs):
-        return False
+        return None
     if not (ti.all_plain(outputs) and ti.all_plain(grads)) or any(map(_REQUIRES_GRAD, grads)):
-        return False
+        return None
     nodes = list(map(_GRAD_FN, outputs))
     if None in nodes or any(map(_B_MARK, map(_METADATA, nodes))):
-        return False  # (a leaf, a detached output, or one B ran from: checked one by one)
-    return list(map(_META, grads)) == list(map(_META, outputs))
+        return None  # (a leaf, a detached output, or one B ran from: checked one by one)
+    return nodes if list(map(_META, grads)) == list(map(_META, outputs)) else None
 
 
 # A module-level function, not a recursive closure: a closure that refers to
@@ -294,10 +295,10 @@ def stage_backward_input(
     fxsplit regions, and ``NotImplementedError`` for ``create_graph=True``.
     """
     t0 = time.perf_counter_ns()
-    outs, grads, weights = _checked_call(stage_outputs_or_loss, output_grads, weights, create_graph)
+    outs, grads, weights, nodes = _checked_call(stage_outputs_or_loss, output_grads, weights, create_graph)
     needed = _needs_gradient(input_values)
     xs = list(itertools.compress(input_values, needed))
-    out_edges = [_light_edge(o) for o in outs]
+    out_edges = [_light_edge(o) for o in outs] if nodes is None else list(map(GradientEdge, nodes, map(_OUTPUT_NR, outs)))
     plan = plan_stage(outs, out_edges, xs, weights)
     if plan.groups:  # W starts autograd at some outputs: edges that keep their graph alive
         out_edges = [gradient_edge(o) for o in outs]
@@ -341,19 +342,22 @@ def _into_inputs(
 
 def _checked_call(
     outputs: Any, output_grads: Any, weights: Weights, create_graph: bool
-) -> tuple[list[Output], list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[list[Output], list[torch.Tensor], list[torch.Tensor], list[Node] | None]:
     """B's arguments as flat lists of outputs, their gradients (checked, implicit
-    ones made) and weights; raises, naming the problem, before any work."""
+    ones made) and weights, and the outputs' autograd nodes where every output
+    is a plain tensor (:func:`_plain_pairs`; else ``None``); raises, naming the
+    problem, before any work."""
     _refuse_create_graph(create_graph)
     if config.direct_b is not True and config.direct_b is not False and config.direct_b != "auto":
         config.current("direct_b")  # raises ValueError, naming the option
     if config.skip_aot_wrapper is not True and config.skip_aot_wrapper is not False:
         config.current("skip_aot_wrapper")
     weights = _weights_list(weights)
-    if _plain_pairs(outputs, output_grads):
-        return list(outputs), list(output_grads), weights
+    nodes = _plain_pairs(outputs, output_grads)
+    if nodes is not None:
+        return list(outputs), list(output_grads), weights, nodes
     outs, grads = _flatten_outputs(outputs, output_grads)
-    return outs, _check_grads(outs, grads), weights
+    return outs, _check_grads(outs, grads), weights, None
 
 
 def _run_b(
@@ -367,7 +371,7 @@ def _run_b(
     # hook writes into a plain list slot (no closure over the hook handle or
     # the node), and the hooks are removed before B returns.
     retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
-    call = InputCall(weights, plan.region_params, plan.region_children, plan.region_starts, retain, plan.rerun)
+    call = InputCall(weights, plan, retain)
     saved: list[tuple[torch.Tensor | None, ...] | None] = []
     handles: list[Any] = []
     if retain or plan.once:  # (general plans only: a stage of compiled regions has neither)

@@ -605,20 +605,14 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     """
 
     # Defaults, replaced (never mutated) where an instance differs:
-    # The stage's kept commit plans (see _commit_plan; None: plan every W).
-    _kept: list[tuple[Any, Any, CommitPlan]] | None = None
     # Regions B ran dI for: W's eager calls may pass through them and must
     # not run them again. Weak: W only needs the ones its graph still holds.
     _split_regions: Sequence[Any] = ()
-    # B-set nodes W's eager calls run again: their saved tensors are held
-    # for W (every other node B ran has freed its own).
-    _rerun: Sequence[Node] = ()
     # Positions (in ``weights``) of weights an interrupted accumulating
     # graph may or may not have written: W cannot be repeated.
     _unknown: Sequence[int] = ()
     # What keeps the graph W re-runs alive on torch 2.11 (anchor).
     _anchors: Sequence[Any] = ()
-    unreached = 0
     done = False
 
     def __init__(
@@ -634,14 +628,14 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         self._weights = tuple(weights)
         self.compiled = compiled
         self.groups = groups
-        if kept is not None:
-            self._kept = kept
+        # The stage's kept commit plans (see _commit_plan; None: plan every W);
+        # the B-set nodes W's eager calls run again: their saved tensors are
+        # held for W (every other node B ran has freed its own).
+        self._kept: list[tuple[Any, Any, CommitPlan]] | None = kept
+        self._rerun: Sequence[Node] = rerun
+        self.unreached = unreached
         if groups:
             self._split_regions = [weakref.ref(n) for n in split_regions]
-        if rerun:
-            self._rerun = list(rerun)
-        if unreached:
-            self.unreached = unreached
         self._committed: set[int] = set()
         self._lock = threading.Lock()
         # Nanoseconds, for the benchmark: B's total and the part inside the

@@ -33,7 +33,7 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
@@ -94,16 +94,17 @@ class InputCall:
     dW gradients for those only. ``records`` and ``deferred`` fill up while
     the call runs (appends are atomic, so several engine threads may add).
 
-    ``region_params``: per region node, the given parameter behind each of
-    its ``next_functions`` (``None`` elsewhere), where B's plan found them
-    already; other regions look them up by ``weight_ids``.
-    ``region_children``: for the same nodes, the node of each of their
-    ``next_functions`` (``None`` where an edge has none), as the plan read them.
-    ``handover``: the region nodes that may hand input gradients to W's eager part.
+    ``plan``: B's :class:`~fxsplit.stage_plan.EagerWeightPlan`, read as it
+    is: ``region_params`` (per region node, the given parameter behind each of
+    its ``next_functions``, ``None`` elsewhere; other regions look them up by
+    ``weight_ids``), ``region_children`` (for the same nodes, the node of
+    each of their ``next_functions`` as the plan read them), ``region_starts``
+    (the region nodes that may hand input gradients to W's eager part) and
+    ``rerun`` (the nodes W's eager calls pass through again).
     ``release_saved``: the call retains the graph (eager code needs W to
     re-run nodes), so a region frees the activations it saved itself, once
-    its dI graph has run, unless its node is in ``keep`` (W's eager calls
-    pass through it). Without a retained graph the engine frees them.
+    its dI graph has run, unless its node is in ``plan.rerun``. Without a
+    retained graph the engine frees them.
     ``release_first``: B calls the region's node itself, outside the engine
     (:func:`run_directly`), with the graph not retained: the region frees
     the activations it saved before its dI graph runs, as AOTAutograd does
@@ -112,32 +113,20 @@ class InputCall:
     each one after its last use.
     """
 
-    # What a stage of compiled regions only needs, unless the constructor says otherwise.
+    # What a stage of compiled regions only needs, unless B says otherwise.
     release_saved = False
-    keep: frozenset[Any] = frozenset()
     release_first = False
     _weight_ids: frozenset[int] | None = None
 
-    def __init__(
-        self,
-        weights: Sequence[Any],
-        region_params: Mapping[Any, Sequence[Any]],
-        region_children: Mapping[Any, Sequence[Any]],
-        handover: Iterable[Any] = (),
-        release_saved: bool = False,
-        keep: Iterable[Any] = (),
-    ) -> None:
+    def __init__(self, weights: Sequence[Any], plan: Any, release_saved: bool = False) -> None:
         self._weights = weights
-        self.region_params = region_params
-        self.region_children = region_children
-        self.handover: frozenset[Any] = frozenset(handover)
+        self.plan = plan
         self.records: list[CompiledWeightWork] = []
         self.deferred: list[DeferredGrad] = []
         # Time inside the dI graphs this call ran ("b_graph_ns").
         self.timings: dict[str, int] = {}
         if release_saved:
             self.release_saved = True
-            self.keep = frozenset(keep)
 
     @property
     def weight_ids(self) -> frozenset[int]:
@@ -410,8 +399,14 @@ class CompiledWeightWork:
     drops the live-ins once W has committed the gradients.
     """
 
-    __slots__ = ("_owner", "_live_ins", "params", "accumulators", "slot", "_di_storages", "_held", "_storages",
-                 "__weakref__")
+    # Defaults, replaced (never mutated) where an instance differs:
+    # The CUDA graph slot whose buffers hold the live-ins (fxsplit.cudagraphs), held until release.
+    slot: Slot | None = None
+    # Storages of the input gradients B returned (see held_elsewhere).
+    _di_storages: AbstractSet[int] = frozenset()
+    # held_elsewhere and live_in_storages, once read.
+    _held: frozenset[int] | None = None
+    _storages: set[int] | None = None
 
     def __init__(
         self,
@@ -424,18 +419,15 @@ class CompiledWeightWork:
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
-        # Storages of the input gradients B returned (see held_elsewhere).
-        self._di_storages = di_storages
-        self._held: frozenset[int] | None = None
-        self._storages: set[int] | None = None
-        # The CUDA graph slot whose buffers hold the live-ins (fxsplit.cudagraphs), held until release.
-        self.slot = slot
-        if slot is not None:
-            slot.hold(self)
         self.params = params
         # Each param's grad accumulator, as the region's autograd node links it
         # (None where params has None): W hands the gradients to these.
         self.accumulators = accumulators if accumulators is not None else [None] * len(params)
+        if di_storages:
+            self._di_storages = di_storages
+        if slot is not None:
+            self.slot = slot
+            slot.hold(self)
 
     @property
     def region(self) -> str:
@@ -971,6 +963,22 @@ class CompiledSplitBackward(CompiledGraphs):
         guard = self._boundary or self.boundary
         n = len(self.split.di_outputs)
         capture = self._capture if self._capture_decided else self._decide_capture(args)
+        if capture is None and self._tree_notice is None:  # (as decided on the first call: no CUDA graphs)
+            t0 = time.perf_counter_ns()
+            outs, slot = list(self._run_di(args)), None
+            dt = time.perf_counter_ns() - t0
+        else:
+            outs, slot, dt = self._di_with_cudagraphs(capture, args, n)
+        self._count("dI", dt, timings, "b_graph_ns")
+        guard(outs)
+        self.stats["di_runs"] += 1
+        return outs[:n], outs[n:], slot
+
+    def _di_with_cudagraphs(self, capture: RegionCapture | None, args: list[Any], n: int) -> tuple[list[Any], Slot | None, int]:
+        """:meth:`_di_and_live`'s dI run where CUDA graphs are on: replayed in
+        the region's slot while it is captured, and where the forward runs in
+        cudagraph trees, told to them (the live-ins W reads are copied out of
+        their memory when dI ran uncaptured); with the nanoseconds inside."""
         notice = self._tree_notice
         if notice is not None:
             notice()  # a backward runs: the trees keep the forwards waiting for one
@@ -985,10 +993,7 @@ class CompiledSplitBackward(CompiledGraphs):
             if notice is not None:
                 for i in self._passthrough:  # out of the trees' memory, for W
                     outs[i] = copy_exactly(outs[i])
-        self._count("dI", time.perf_counter_ns() - t0, timings, "b_graph_ns")
-        guard(outs)
-        self.stats["di_runs"] += 1
-        return outs[:n], outs[n:], slot
+        return outs, slot, time.perf_counter_ns() - t0
 
     def _assemble(self, di_vals: Sequence[Any], dw_vals: Sequence[Any] | None) -> list[Any]:
         """The backward's outputs: ``di_vals`` and ``dw_vals`` (``None``: none
@@ -1045,7 +1050,7 @@ class CompiledSplitBackward(CompiledGraphs):
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
         # The plan's reading of the node's edges, where B's plan made one.
-        children = call.region_children.get(node)
+        children = call.plan.region_children.get(node)
         edges = node.next_functions if children is None else None
         if len(edges if children is None else children) != self._num_edges:
             self.layout.edges_by_input(node.next_functions, self.name)  # raises, naming the mismatch
@@ -1076,12 +1081,12 @@ class CompiledSplitBackward(CompiledGraphs):
         """Record the W work of ``node`` for ``call`` and return the backward's
         outputs B hands on. ``edges``: the node's ``next_functions``, or ``None``
         where the plan read them as ``children`` (their nodes) and found the
-        parameters (``call.region_params``)."""
-        if call.release_saved and node not in call.keep:
+        parameters (``call.plan.region_params``)."""
+        if call.release_saved and node not in call.plan.rerun:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
             ti.release_region_saved(node)
-        found = call.region_params.get(node)
+        found = call.plan.region_params.get(node)
         at = self._weight_edges
         if children is not None and found is not None and self._every_weight_edge and not any(
             map(operator.is_, params := list(map(found.__getitem__, at)), itertools.repeat(None))
@@ -1098,7 +1103,7 @@ class CompiledSplitBackward(CompiledGraphs):
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
-        if node not in call.handover:
+        if node not in call.plan.region_starts:
             return result
         handed: set[int] = set()
         edges = self.layout.edges_by_output(edges if edges is not None else node.next_functions, self.name)
