@@ -1457,10 +1457,9 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
 
     def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         # addmm_ raises before it writes (it checks and allocates first) or
-        # writes all of grad: one write, recorded once done (AccumulationLedger;
-        # outside recording_accumulation, a sink that keeps nothing).
-        grad.addmm_(a, b)
-        _LEDGERS.current.ended.add(grad.data_ptr())
+        # writes all of grad and returns it: one write, recorded once done
+        # (AccumulationLedger; outside recording_accumulation, a sink that keeps nothing).
+        _LEDGERS.current.ended.add(grad.addmm_(a, b).data_ptr())
 
     lib.impl("addmm_into", addmm_into, "CompositeExplicitAutograd")
     lib.impl("addmm_into", lambda grad, a, b: None, "Meta")  # (fake tensors have no data pointer)
