@@ -607,12 +607,12 @@ class _RegionShape:
     (``parent`` -1) or the ``at``-th child of region ``parent`` (an earlier one).
     ``kinds``: the type of each of its ``next_functions``' nodes. ``nodes_at``
     and ``accumulators_at`` are the positions, among those children, of the
-    ones that must be given nodes (regions, stage inputs' gradient nodes) and
-    of the grad accumulators (whose variables must be given tensors);
-    ``expected`` the positions of what they must be in the call's pool
-    ``[*weights, *inputs, *regions]`` (an input is its gradient node, or
-    itself where it is a leaf). ``params``: positions in ``[*weights, None]``
-    of the plan's ``region_params`` row.
+    stage inputs' gradient nodes and of the grad accumulators (whose
+    variables must be given tensors); ``expected`` the positions of what they
+    must be in the call's pool ``[*weights, *inputs]`` (an input is its
+    gradient node, or itself where it is a leaf). Children that are regions
+    are :attr:`StageShape.region_children`. ``params``: positions in
+    ``[*weights, None]`` of the plan's ``region_params`` row.
     """
 
     cls: type
@@ -661,6 +661,9 @@ class StageShape:
     # (position among the one region's children, input index, output number)
     # for the non-leaf inputs of a plan with direct_edges
     input_numbers: tuple[tuple[int, int, int], ...]
+    # (region, position among its children, region that child must be), by
+    # position in the regions: checked once every region's node is found
+    region_children: tuple[tuple[int, int, int], ...]
 
     def replay(
         self, out_edges: Sequence[GradientEdge], out_nodes: list[Any], xs: Sequence[torch.Tensor],
@@ -674,6 +677,7 @@ class StageShape:
             return None
         nodes: list[Any] = []
         children: list[list[Any]] = []
+        pool = [*weights, *[x if x.grad_fn is None else x.grad_fn for x in xs]]
         for r in self.regions:
             node = out_nodes[r.at] if r.parent < 0 else children[r.parent][r.at]
             if type(node) is not r.cls:
@@ -681,13 +685,13 @@ class StageShape:
             kids = list(map(_first, node.next_functions))
             if tuple(map(type, kids)) != r.kinds:
                 return None
-            nodes.append(node)
-            children.append(kids)
-        pool = [*weights, *[x if x.grad_fn is None else x.grad_fn for x in xs], *nodes]
-        for r, kids in zip(self.regions, children):
             found = [*map(kids.__getitem__, r.nodes_at), *map(_variable, map(kids.__getitem__, r.accumulators_at))]
             if not all(map(operator.is_, found, map(pool.__getitem__, r.expected))):
                 return None
+            nodes.append(node)
+            children.append(kids)
+        if self.region_children and any(children[i][k] is not nodes[j] for i, k, j in self.region_children):
+            return None
         if not all(map(operator.is_, out_nodes, map(nodes.__getitem__, self.output_regions))):
             return None
         if self.input_numbers:
@@ -722,8 +726,8 @@ def _stage_shape(
     input_node_at = {x.grad_fn: i for i, x in enumerate(xs) if x.grad_fn is not None}
     accumulate_grad = ti.accumulate_grad_type()
     try:
-        shapes = [_region_shape(plan, i, out_nodes, n_w, n_x, index, weight_at, leaf_at, input_node_at, accumulate_grad)
-                  for i in range(len(nodes))]
+        read = [_region_shape(plan, i, out_nodes, n_w, index, weight_at, leaf_at, input_node_at, accumulate_grad)
+                for i in range(len(nodes))]
         refs = tuple(map(weakref.ref, weights))
     except (KeyError, ValueError, TypeError, StopIteration):  # (a child it cannot place; a weight with no weak reference)
         return None
@@ -731,19 +735,21 @@ def _stage_shape(
     if plan.direct_edges is not None:
         numbers = tuple((k, i, x.output_nr) for i, (k, x) in enumerate(zip(plan.direct_edges, xs)) if x.grad_fn is not None)
     return StageShape(
-        refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shapes),
+        refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shape for shape, _ in read),
         tuple(index[n] for n in out_nodes), bool(plan.captures),
         {**{k: v for k, v in vars(plan).items() if k not in _PER_CALL}, "bottom_regions": [], "captures": [],
          "w_side": frozenset(), "rerun": frozenset(), "commit_plans": [], "prepared": True}, numbers,
+        tuple((i, k, j) for i, (_, region_kids) in enumerate(read) for k, j in region_kids),
     )
 
 
 def _region_shape(
-    plan: EagerWeightPlan, i: int, out_nodes: Sequence[Any], n_w: int, n_x: int, index: dict[Any, int],
+    plan: EagerWeightPlan, i: int, out_nodes: Sequence[Any], n_w: int, index: dict[Any, int],
     weight_at: dict[int, int], leaf_at: dict[int, int], input_node_at: dict[Any, int], accumulate_grad: type,
-) -> _RegionShape:
-    """Region ``i`` of the plan as :class:`StageShape` keeps it (KeyError: the
-    plan has a child it could not have made)."""
+) -> tuple[_RegionShape, list[tuple[int, int]]]:
+    """Region ``i`` of the plan as :class:`StageShape` keeps it, and its children
+    that are regions (position among its children, region index); KeyError:
+    the plan has a child it could not have made."""
     nodes = plan.split_regions
     node = nodes[i]
     if node in out_nodes:
@@ -752,7 +758,7 @@ def _region_shape(
         parent, at = next((r, plan.region_children[nodes[r]].index(node)) for r in range(i)
                           if node in plan.region_children[nodes[r]])
     kids = plan.region_children[node]
-    node_pos, node_exp, acc_pos, acc_exp = [], [], [], []
+    node_pos, node_exp, acc_pos, acc_exp, regions = [], [], [], [], []
     for k, c in enumerate(kids):
         if c is None:
             continue
@@ -760,12 +766,14 @@ def _region_shape(
             v = c.variable
             acc_pos.append(k)
             acc_exp.append(n_w + leaf_at[id(v)] if id(v) in leaf_at else weight_at[id(v)])
+        elif c in index:
+            regions.append((k, index[c]))
         else:
             node_pos.append(k)
-            node_exp.append(n_w + n_x + index[c] if c in index else n_w + input_node_at[c])
+            node_exp.append(n_w + input_node_at[c])
     params = [n_w if p is None else weight_at[id(p)] for p in plan.region_params[node]]
     return _RegionShape(type(node), parent, at, tuple(map(type, kids)), tuple(node_pos), tuple(acc_pos),
-                        tuple(node_exp + acc_exp), tuple(params))
+                        tuple(node_exp + acc_exp), tuple(params)), regions
 
 
 def prepare_regions(nodes: Iterable[Node]) -> None:
