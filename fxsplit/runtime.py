@@ -420,6 +420,8 @@ class CompiledWeightWork:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
         self.params = params
+        # Whether every weight gradient's weight was given to B (none of params is None).
+        self.complete = not any(map(operator.is_, params, itertools.repeat(None)))
         # Each param's grad accumulator, as the region's autograd node links it
         # (None where params has None): W hands the gradients to these.
         self.accumulators = accumulators if accumulators is not None else [None] * len(params)
@@ -462,12 +464,9 @@ class CompiledWeightWork:
         region's, as three lists: those given to B, whose ``id`` is in
         ``wanted`` (all when ``None``), with a gradient (``None``: accumulated
         inside the dW graph). The caller must not change the lists."""
-        params = self.params
-        none = itertools.repeat(None)
-        if (
-            not any(map(operator.is_, params, none))
-            and not any(map(operator.is_, grads, none))
-            and (wanted is None or wanted.issuperset(map(id, params)))
+        params, none = self.params, itertools.repeat(None)
+        if self.complete and (wanted is None or wanted.issuperset(map(id, params))) and not any(
+            map(operator.is_, grads, none)
         ):  # every weight given to B and wanted, every gradient computed (the common case)
             return params, self.accumulators, grads
         if all(map(operator.is_, grads, none)):  # every gradient accumulated inside the dW graph
