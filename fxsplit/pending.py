@@ -1038,13 +1038,13 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             start, end = end, end + len(weights)
             mine = ptrs[start:end]
             if i in plan.take_every:
-                picked: Sequence[int] = range(len(weights))
                 ok = _taken(self.compiled[i], weights, grads, mine, shared)
                 if all(ok):  # every gradient of the region (the common case)
                     taken_weights += weights
                     taken_grads += grads
                     results[i] = _NONE
                     continue
+                picked: Sequence[int] = range(len(weights))
             else:
                 picked = [k for k, w in enumerate(weights) if id(w) in plan.take]
                 if not picked:
