@@ -28,6 +28,7 @@ is then named by a thread-local for the duration of that call.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import operator
@@ -162,31 +163,31 @@ class registered:  # noqa: N801 - used as a function: ``with registered(nodes, c
     call, and on a host-bound stage every line run around the graphs counts.
     """
 
-    __slots__ = ("_nodes", "_call", "_done")
+    __slots__ = ("_nodes", "_call")
 
     def __init__(self, nodes: Sequence[Any], call: InputCall | _SplitDone) -> None:
         self._nodes = nodes
         self._call = call
-        self._done: list[Any] = []
 
     def __enter__(self) -> None:
-        nodes = self._nodes
-        for node in nodes:
-            if getattr(node, _CALL_ATTR, None) is not None:
-                raise RuntimeError(_OVERLAP.format(node.name()))
-        done = self._done
+        nodes, call = self._nodes, self._call
+        if not all(map(operator.is_, map(getattr, nodes, _CALL_ATTRS, _NONES), _NONES)):  # (C-level passes)
+            held = next(n for n in nodes if getattr(n, _CALL_ATTR, None) is not None)
+            raise RuntimeError(_OVERLAP.format(held.name()))
         try:
+            collections.deque(map(setattr, nodes, _CALL_ATTRS, itertools.repeat(call)), maxlen=0)
+        except BaseException:  # (a node that takes no attribute: those set are unset)
             for node in nodes:
-                setattr(node, _CALL_ATTR, self._call)
-                done.append(node)
-        except BaseException:
-            self.__exit__(None, None, None)
+                if getattr(node, _CALL_ATTR, None) is call:
+                    setattr(node, _CALL_ATTR, None)
             raise
 
     def __exit__(self, *exc: object) -> None:
-        done, self._done = self._done, []
-        for node in done:
-            setattr(node, _CALL_ATTR, None)
+        collections.deque(map(setattr, self._nodes, _CALL_ATTRS, _NONES), maxlen=0)
+
+
+_CALL_ATTRS = itertools.repeat(_CALL_ATTR)  # (endless: map stops at its nodes' end)
+_NONES = itertools.repeat(None)
 
 
 # The node run_directly is running on this thread (the engine reports none

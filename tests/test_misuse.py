@@ -227,6 +227,40 @@ def test_two_split_calls_through_one_microbatch_graph_at_once_are_refused() -> N
     torch.testing.assert_close(x.grad, x_grad)  # the refused B added nothing
 
 
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        return a * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+def test_registering_nodes_is_all_or_nothing() -> None:
+    """fxsplit.runtime.registered: a node another call holds refuses the whole
+    registration before any node is set; a node that takes no registration (a
+    C++ autograd node) leaves none of the others registered; leaving the block
+    unregisters every node."""
+    from fxsplit.runtime import SPLIT_DONE, registered
+
+    x = torch.ones(2, requires_grad=True)
+    a, b = _Twice.apply(x).grad_fn, _Twice.apply(x).grad_fn
+    cpp = (x * 3).grad_fn
+    mine = object()
+    with registered([a, b], mine):  # type: ignore[arg-type]
+        assert a._fxsplit_split_call is mine and b._fxsplit_split_call is mine
+        with pytest.raises(RuntimeError, match="another split backward is running"):
+            with registered([_Twice.apply(x).grad_fn, b], SPLIT_DONE):
+                pass
+        assert b._fxsplit_split_call is mine
+    assert a._fxsplit_split_call is None and b._fxsplit_split_call is None
+    with pytest.raises(AttributeError):
+        with registered([a, cpp, b], mine):  # type: ignore[arg-type]
+            pass
+    assert a._fxsplit_split_call is None and getattr(b, "_fxsplit_split_call", None) is None
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_w_of_one_param_groups_in_two_threads_is_refused(mode: str) -> None:
     s = scene(mode)
