@@ -173,7 +173,7 @@ class registered:  # noqa: N801 - used as a function: ``with registered(nodes, c
         nodes, call = self._nodes, self._call
         if not all(map(operator.is_, map(getattr, nodes, _CALL_ATTRS, _NONES), _NONES)):  # (C-level passes)
             held = next(n for n in nodes if getattr(n, _CALL_ATTR, None) is not None)
-            raise RuntimeError(_OVERLAP.format(held.name()))
+            raise RuntimeError(_OVERLAP.format(type(held).__name__))
         try:
             collections.deque(map(setattr, nodes, _CALL_ATTRS, itertools.repeat(call)), maxlen=0)
         except BaseException:  # (a node that takes no attribute: those set are unset)
@@ -324,7 +324,7 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor], call: InputCall | No
     enabled, held = torch.is_grad_enabled(), getattr(node, _CALL_ATTR, None)
     if call is not None:
         if held is not None:
-            raise RuntimeError(_OVERLAP.format(node.name()))
+            raise RuntimeError(_OVERLAP.format(type(node).__name__))
         setattr(node, _CALL_ATTR, call)
     ti.set_grad_enabled(False)  # (as the engine runs a backward that does not create a graph)
     try:
