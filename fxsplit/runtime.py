@@ -422,7 +422,7 @@ class CompiledWeightWork:
         self._live_ins: list[Any] | None = live_ins
         self.params = params
         # Whether every weight gradient's weight was given to B (none of params is None).
-        self.complete = not any(map(operator.is_, params, itertools.repeat(None)))
+        self.complete = not any(map(operator.is_, params, _NONES))
         # Each param's grad accumulator, as the region's autograd node links it
         # (None where params has None): W hands the gradients to these.
         self.accumulators = accumulators if accumulators is not None else [None] * len(params)
@@ -465,7 +465,7 @@ class CompiledWeightWork:
         region's, as three lists: those given to B, whose ``id`` is in
         ``wanted`` (all when ``None``), with a gradient (``None``: accumulated
         inside the dW graph). The caller must not change the lists."""
-        params, none = self.params, itertools.repeat(None)
+        params, none = self.params, _NONES
         if self.complete and (wanted is None or wanted.issuperset(map(id, params))) and not any(
             map(operator.is_, grads, none)
         ):  # every weight given to B and wanted, every gradient computed (the common case)
@@ -1089,7 +1089,7 @@ class CompiledSplitBackward(CompiledGraphs):
         found = call.plan.region_params.get(node)
         at = self._weight_edges
         if children is not None and found is not None and self._every_weight_edge and not any(
-            map(operator.is_, params := list(map(found.__getitem__, at)), itertools.repeat(None))
+            map(operator.is_, params := list(map(found.__getitem__, at)), _NONES)
         ):  # every weight gradient's weight was given to B (the common case)
             accumulators = list(map(children.__getitem__, at))
         elif children is not None and found is not None:
