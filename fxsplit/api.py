@@ -307,7 +307,7 @@ def stage_backward_input(
             _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
         if not plan.prepared:
             prepare_regions(plan.split_regions)
-    call, saved, results = _run_b(plan, outs, grads, xs, weights)
+    call, saved, results = _run_b(plan, outs, nodes, grads, xs, weights)
     dinputs = _into_inputs(needed, xs, results)
     del results
     work = _record_b(plan, weights, call, saved, outs, out_edges, grads)
@@ -361,12 +361,13 @@ def _checked_call(
 
 
 def _run_b(
-    plan: EagerWeightPlan, outs: list[Output], grads: list[torch.Tensor], xs: list[torch.Tensor],
-    weights: list[torch.Tensor],
+    plan: EagerWeightPlan, outs: list[Output], nodes: list[Node] | None, grads: list[torch.Tensor],
+    xs: list[torch.Tensor], weights: list[torch.Tensor],
 ) -> tuple[InputCall, list[tuple[torch.Tensor | None, ...] | None], Sequence[torch.Tensor | None]]:
     """B's autograd call, as ``plan`` says: the regions it runs record their W
     work in the returned call, the gradients flowing into the intermediates are
-    saved for W, and the input gradients (one per ``xs``) are returned."""
+    saved for W, and the input gradients (one per ``xs``) are returned.
+    ``nodes``: the outputs' nodes where all are plain tensors (else ``None``)."""
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
     # the node), and the hooks are removed before B returns.
@@ -383,7 +384,7 @@ def _run_b(
     try:
         if not outs or not (xs or captures):
             return call, saved, ()
-        direct = None if retain or captures else _direct_call(plan, outs, grads, xs)
+        direct = None if retain or captures else _direct_call(plan, outs, nodes, grads, xs)
         if direct is not None:  # (the node is registered for its call only)
             call.release_first = True
             results = _run_direct(*direct, xs, call)
@@ -475,26 +476,34 @@ def _keep_outputs(nodes: Sequence[Any], into: list[DeferredGrad], handles: list[
 
 
 def _direct_call(
-    plan: EagerWeightPlan, outs: list[Any], grads: list[torch.Tensor], xs: list[torch.Tensor]
+    plan: EagerWeightPlan, outs: list[Any], nodes: list[Node] | None, grads: list[torch.Tensor],
+    xs: list[torch.Tensor],
 ) -> tuple[Any, dict[int, torch.Tensor], list[int]] | None:
     """``(node, gradients by output, edge of each target)`` where B may call the
     stage's one region node itself instead of the engine
     (:data:`fxsplit.config.direct_b`; by default not for CPU tensors), else
-    ``None``: every forward argument of the region a tensor (the node's
-    results are then its edges'); every output the node's, each once; each
-    target entering the node by one edge of its own; no tensor hook or
-    ``retain_grad`` on any of them, no hook on the node (the engine would run
-    them: :func:`fxsplit._torch_internals.node_has_hooks`); anomaly mode
-    off; on CUDA, the current stream the default one."""
+    ``None``: every output a plain tensor (``nodes``, their nodes, given:
+    :func:`_plain_pairs`) of the node's, each once, as is every target; every
+    forward argument of the region a tensor (the node's results are then its
+    edges'); each target entering the node by one edge of its own; no tensor
+    hook or ``retain_grad`` on any of them, no hook on the node (the engine
+    would run them: :func:`fxsplit._torch_internals.node_has_hooks`); anomaly
+    mode off; on CUDA, the current stream the default one."""
     flag, edges = config.direct_b, plan.direct_edges
-    if edges is None or flag is False or torch.is_anomaly_enabled() or not (ti.all_plain(outs) and ti.all_plain(xs)):
+    if edges is None or flag is False or nodes is None or torch.is_anomaly_enabled() or not ti.all_plain(xs):
         return None
     device = outs[0].device
     if device.type == "cpu" and flag is not True:
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
-    by_output = _gradients_by_output(node, outs, grads)
-    if by_output is None or ti.node_has_hooks(node) or any(map(_TENSOR_HOOKS, xs)) or any(map(_RETAINS_GRAD, xs)):
+    if not all(map(operator.is_, nodes, itertools.repeat(node))) or ti.node_has_hooks(node):
+        return None
+    if any(map(_TENSOR_HOOKS, outs)) or any(map(_RETAINS_GRAD, outs)) or any(map(_TENSOR_HOOKS, xs)) or any(
+        map(_RETAINS_GRAD, xs)
+    ):
+        return None
+    by_output = dict(zip(map(_OUTPUT_NR, outs), grads))
+    if len(by_output) != len(outs):
         return None
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None

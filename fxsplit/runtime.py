@@ -195,7 +195,7 @@ _NONES = itertools.repeat(None)
 _direct = threading.local()
 _SHAPE = operator.attrgetter("shape")
 _STRIDE = operator.methodcaller("stride")
-# On a region's autograd node class: (its CompiledSplitBackward, its AotCall).
+# On a region's autograd node class: its AotCall (which knows its CompiledSplitBackward).
 _AOT_CALL = "_fxsplit_aot_call"
 
 
@@ -213,7 +213,7 @@ class AotCall:
     by the incoming gradients themselves, unchanged (each the same plain
     tensor object: no layout coerced, no subclass unwrapped), and it returned
     the backward's results themselves (no token, RNG-offset or subclass
-    epilogue). :meth:`args` is the guard for a later call: as many incoming
+    epilogue). :meth:`run` checks the guard for a later call: as many incoming
     gradients, those at the learned positions plain tensors with the shapes
     and strides the learned call had (those decide the wrapper's layout
     coercion), the same :func:`fxsplit._torch_internals.aot_backward_state`
@@ -224,17 +224,24 @@ class AotCall:
     class: one compiled variant of a region.
     """
 
-    __slots__ = ("prefix", "tangents", "layouts", "state")
+    __slots__ = ("owner", "prefix", "tangents", "layouts", "state")
 
-    def __init__(self, prefix: int, tangents: tuple[int, ...], layouts: list[Any], state: tuple[bool, ...]) -> None:
+    def __init__(
+        self, owner: CompiledSplitBackward, prefix: int, tangents: tuple[int, ...], layouts: list[Any],
+        state: tuple[bool, ...],
+    ) -> None:
+        self.owner = owner
         self.prefix = prefix
         self.tangents = tangents
         self.layouts = layouts
         self.state = state
 
-    def args(self, node: Any, grads: Mapping[int, Any] | Sequence[Any]) -> list[Any] | None:
-        """The compiled backward's arguments for ``node`` given ``grads`` (by
-        input number), or ``None`` where the guard misses."""
+    def run(self, call: InputCall, node: Any, grads: Any) -> tuple[Any, ...] | None:
+        """B's call (``call``) of the region's compiled backward for ``node``,
+        on the arguments the wrapper would pass, given ``grads`` (the
+        gradients flowing into its inputs, by input number); ``None``, having
+        run nothing, where the guard misses. A list ``grads`` (the engine's
+        boxed gradients) is emptied: the arguments hold them, as the wrapper's do."""
         if len(grads) != len(self.tangents) or ti.aot_backward_state() != self.state:
             return None
         try:
@@ -246,8 +253,10 @@ class AotCall:
         args = ti.aot_saved_args(node)
         if len(args) != self.prefix:
             return None
+        if type(grads) is list:
+            grads.clear()
         args += gs
-        return args
+        return self.owner.run_unwrapped(call, node, args)
 
     @staticmethod
     def learn(probe: _Probe, results: Sequence[Any]) -> AotCall | None:
@@ -261,7 +270,7 @@ class AotCall:
         gs = [grads[k] for k in tangents]
         if any(type(g) is not torch.Tensor for g in gs):
             return None
-        return AotCall(probe.prefix_len, tangents, [(g.shape, g.stride()) for g in gs], state)
+        return AotCall(probe.owner, probe.prefix_len, tangents, [(g.shape, g.stride()) for g in gs], state)
 
 
 class _Probe:
@@ -330,10 +339,8 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor], call: InputCall | No
     try:
         b_call = call or held  # (B's: an InputCall; SPLIT_DONE and None take route_backward's way)
         known = type(node).__dict__.get(_AOT_CALL) if type(b_call) is InputCall and config.skip_aot_wrapper else None
-        unwrapped = known[1].args(node, grads) if known is not None else None
-        if unwrapped is not None:
-            return known[0].run_unwrapped(b_call, node, unwrapped)
-        return route_backward(node, grads, _outside_engine, (grads,))
+        results = known.run(b_call, node, grads) if known is not None else None
+        return results if results is not None else route_backward(node, grads, _outside_engine, (grads,))
     finally:
         ti.set_grad_enabled(enabled)
         if call is not None:
@@ -365,12 +372,9 @@ def route_backward(node: Any, grads: Sequence[Any], wrapped: Callable[..., Any],
     if call is None or call is SPLIT_DONE or config.skip_aot_wrapper is False:
         return wrapped(node, *args)
     known = type(node).__dict__.get(_AOT_CALL)
-    if known is not None:
-        unwrapped = known[1].args(node, grads)
-        if unwrapped is not None:
-            if type(grads) is list:  # the engine's boxed gradients: held by ``unwrapped`` only, as the wrapper does
-                grads.clear()
-            return known[0].run_unwrapped(call, node, unwrapped)
+    results = known.run(call, node, grads) if known is not None else None
+    if results is not None:
+        return results
     prev = getattr(_direct, "probe", None)
     _direct.probe = probe = _Probe(node, grads)
     try:
@@ -379,7 +383,7 @@ def route_backward(node: Any, grads: Sequence[Any], wrapped: Callable[..., Any],
         _direct.probe = prev
     learned = AotCall.learn(probe, results) if probe.owner is not None else None
     if learned is not None:  # (a call the wrapper changed leaves an earlier one's AotCall as it was)
-        setattr(type(node), _AOT_CALL, (probe.owner, learned))
+        setattr(type(node), _AOT_CALL, learned)
     return results
 
 
