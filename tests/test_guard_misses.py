@@ -8,7 +8,8 @@ changes one thing those checks must see (a weight swapped for another, one
 laid out column-major, a
 ``.grad`` set to ``None`` or to a tensor of another layout, a hook added, a
 ``grad_dtype`` changed, a frozen weight unfrozen and the reverse, a new input
-shape or dtype that recompiles the region), then runs two more microbatches.
+shape or dtype that recompiles the region; below the outputs' region, a region
+recompiled alone or an input no longer a leaf), then runs two more microbatches.
 Three identical copies go through the same sequence: split into B then W,
 ordinary backward through the same fxsplit region, and uncompiled eager
 code; the input gradients, every ``.grad`` (value, dtype, strides) and every
@@ -356,3 +357,72 @@ def test_w_plans_again_when_fused_accumulation_is_switched(monkeypatch: Any) -> 
     assert len(planned) == 4 and not work.accumulated_in_graph
     work = microbatch()
     assert len(planned) == 4 and work.accumulated_in_graph  # the first plan again, replayed
+
+
+class ScaledTwoRegions(nn.Module):
+    """Two compiled regions; ``scale`` is read by the lower one only (Dynamo
+    guards on it: changing it recompiles that region alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.a(x)) * self.scale
+        torch._dynamo.graph_break()
+        return x + self.b(h)
+
+
+@pytest.mark.parametrize("change", ["lower_region_recompiled", "input_no_longer_a_leaf"])
+def test_a_change_below_the_outputs_region_plans_again(change: str, monkeypatch: Any) -> None:
+    """The parts of B's guard below the outputs' own node: the outputs' region is
+    the same class (so B replays the stage's kept plan) but a region below it
+    was recompiled, or the stage input, a leaf until then, is now made by an
+    op. B walks again (a guard miss, never a wrong plan); the new plan is kept;
+    the gradients are ordinary backward's (compiled and uncompiled copies)."""
+    from fxsplit import stage_plan
+
+    walks: list[int] = []
+    walk = stage_plan.plan_eager_weight_work
+    monkeypatch.setattr(stage_plan, "plan_eager_weight_work", lambda *a: walks.append(1) or walk(*a))
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = ScaledTwoRegions()
+    ref, eager = copy.deepcopy(model), copy.deepcopy(model)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    fn, ref_fn = torch.compile(model, backend=backend), torch.compile(ref, backend=backend)
+    top_classes: set[type] = set()
+    after = False
+
+    def microbatch() -> None:
+        x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)
+        leaves = [x.clone().requires_grad_() for _ in range(3)]
+        ins = [t * 1.0 for t in leaves] if after and change == "input_no_longer_a_leaf" else leaves
+        out = fn(ins[0])
+        top_classes.add(type(out.grad_fn))
+        params = list(model.parameters())
+        (g,), work = fxsplit.stage_backward_input([out], [dy], [ins[0]], params)
+        fxsplit.stage_backward_weight(params, work)
+        ref_fn(ins[1]).backward(dy)
+        eager(ins[2]).backward(dy)
+        for k, other in ((1, ref), (2, eager)):
+            tol = {} if other is ref else {"rtol": 2e-5, "atol": 1e-5}
+            torch.testing.assert_close(g, leaves[k].grad, **tol)  # (ins[k] = leaves[k] * 1.0: the same gradient)
+            for p, q in zip(model.parameters(), other.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **tol)
+
+    with fxsplit.config.patch(direct_b=True):
+        for _ in range(3):
+            microbatch()
+        assert len(walks) == 1
+        if change == "lower_region_recompiled":
+            for m in (model, ref, eager):
+                m.scale = 2.0
+        after = True
+        microbatch()
+        assert len(walks) == 2, f"{change}: B replayed a plan whose guard should have missed"
+        microbatch()
+        assert len(walks) == 2, f"{change}: the new plan was not kept"
+    assert len(top_classes) == 1, "the outputs' region was recompiled too: the miss was not below it"
