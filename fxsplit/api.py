@@ -298,10 +298,9 @@ def stage_backward_input(
     outs, grads, weights, nodes = _checked_call(stage_outputs_or_loss, output_grads, weights, create_graph)
     needed = _needs_gradient(input_values)
     xs = list(itertools.compress(input_values, needed))
-    out_edges = [_light_edge(o) for o in outs] if nodes is None else list(map(GradientEdge, nodes, map(_OUTPUT_NR, outs)))
-    plan = plan_stage(outs, out_edges, xs, weights)
-    if plan.groups:  # W starts autograd at some outputs: edges that keep their graph alive
-        out_edges = [gradient_edge(o) for o in outs]
+    plan = plan_stage(outs, nodes if nodes is not None else [_light_edge(o).node for o in outs], xs, weights)
+    # W starts autograd at some outputs where the plan has eager groups: edges that keep their graph alive.
+    out_edges = [gradient_edge(o) for o in outs] if plan.groups else []
     if xs or plan.captures:
         if ti.compiled_autograd_enabled():
             _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))

@@ -461,7 +461,6 @@ def _direct_edges(node: Node, xs: Sequence[torch.Tensor]) -> tuple[int, ...] | N
 
 
 _first = operator.itemgetter(0)
-_node_of = operator.attrgetter("node")
 _variable = operator.attrgetter("variable")
 _requires_grad = operator.attrgetter("requires_grad")
 
@@ -666,7 +665,7 @@ class StageShape:
     region_children: tuple[tuple[int, int, int], ...]
 
     def replay(
-        self, out_edges: Sequence[GradientEdge], out_nodes: list[Any], xs: Sequence[torch.Tensor],
+        self, outs: Sequence[torch.Tensor | GradientEdge], out_nodes: list[Any], xs: Sequence[torch.Tensor],
         weights: Sequence[torch.Tensor],
     ) -> EagerWeightPlan | None:
         if (
@@ -706,7 +705,7 @@ class StageShape:
         plan.region_children = dict(zip(nodes, children))
         if self.first:
             plan.bottom_regions = nodes
-            plan.captures = list(out_edges)
+            plan.captures = [o if type(o) is GradientEdge else GradientEdge(n, o.output_nr) for o, n in zip(outs, out_nodes)]
         return plan
 
 
@@ -789,12 +788,12 @@ def prepare_regions(nodes: Iterable[Node]) -> None:
 
 def plan_stage(
     outs: Sequence[torch.Tensor | GradientEdge],
-    out_edges: Sequence[GradientEdge],
+    out_nodes: list[Node],
     xs: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor],
 ) -> EagerWeightPlan:
-    """B's plan for a stage with outputs ``outs`` (whose gradients flow into
-    ``out_edges``), inputs needing a gradient ``xs`` and ``weights``.
+    """B's plan for a stage with outputs ``outs`` (``out_nodes``: the node each
+    one's gradient flows into), inputs needing a gradient ``xs`` and ``weights``.
 
     Planned by :func:`plan_eager_weight_work`. Where the plan has no eager part
     (a stage of fxsplit-compiled regions only, :func:`_read_regions`), it is
@@ -805,11 +804,10 @@ def plan_stage(
     nodes. Every split region's graphs are compiled when the returned plan is
     ``prepared``; otherwise B compiles them.
     """
-    out_nodes = list(map(_node_of, out_edges))
     shapes = type(out_nodes[0]).__dict__.get(_PLANS_ATTR) if out_nodes else None  # (only split regions' classes)
     if shapes:
         for shape in shapes:
-            plan = shape.replay(out_edges, out_nodes, xs, weights)
+            plan = shape.replay(outs, out_nodes, xs, weights)
             if plan is not None:
                 return plan
     elif shapes is None and out_nodes and out_nodes[0] is not None and is_split_region(out_nodes[0]):

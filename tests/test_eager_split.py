@@ -432,11 +432,9 @@ def test_gradient_edge_as_stage_output(mode: str) -> None:
 def _compiled_only_plan(outs: list[torch.Tensor], xs: list[torch.Tensor], weights: list[torch.Tensor]) -> Any:
     """B's plan (``plan_stage``) where it is one of a stage of compiled regions
     only (kept and replayed; its regions prepared), else ``None``."""
-    from torch.autograd.graph import GradientEdge
-
     from fxsplit.stage_plan import plan_stage
 
-    plan = plan_stage(outs, [GradientEdge(o.grad_fn, o.output_nr) for o in outs], xs, weights)
+    plan = plan_stage(outs, [o.grad_fn for o in outs], xs, weights)
     return plan if plan.prepared else None
 
 
