@@ -184,3 +184,48 @@ def test_w_interrupted_at_every_operator_then_repeated_gives_ordinary_backward(
     assert all(at in _BETWEEN_BRACKETS[mode] for at in outcome["refused"]), outcome["refused"]
     assert not outcome["refused"] or in_graph
     assert outcome["ok"] > 0 and outcome["ok"] + len(outcome["refused"]) == len(outcome["ops"])
+
+
+def test_the_accumulation_ledger_reads_its_own_block_and_keeps_nothing_after() -> None:
+    """What the brackets of an in-graph accumulation record, as the ledger of the
+    block open in the calling thread reads it: a write begun and ended is
+    written, one only begun unknown, one bracketed in a nested block (a CUDA
+    graph capture's calls, which a replay does not make) not this ledger's,
+    one from before the block not either; another thread's block reads its own
+    writes and none of this one's. Once the last block closes, nothing the
+    brackets recorded is held (no ``.grad`` kept alive), also what ran outside
+    any block."""
+    import threading
+    import weakref
+
+    from fxsplit import _torch_internals as ti
+
+    begins, ends = ti.ACCUMULATION_BEGINS, ti.ACCUMULATION_ENDS
+    before, done, half, nested, other = (torch.zeros(4) for _ in range(5))
+    begins(before)
+    ends(before)  # (outside any block)
+    seen: dict[str, str] = {}
+
+    def elsewhere() -> None:
+        with ti.recording_accumulation() as theirs:
+            begins(other)
+            ends(other)
+            seen["other"], seen["done"] = theirs.state(other), theirs.state(done)
+
+    with ti.recording_accumulation() as ledger:
+        begins(done)
+        ends(done)
+        begins(half)
+        with ti.recording_accumulation() as inner:
+            begins(nested)
+            ends(nested)
+            assert inner.state(nested) == "written" and inner.state(done) == "untouched"
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        assert [ledger.state(t) for t in (done, half, nested, before)] == ["written", "unknown", "untouched", "untouched"]
+    assert seen == {"other": "written", "done": "untouched"}
+    gone = weakref.ref(before)
+    del before
+    assert gone() is None, "a tensor a bracket saw outside any block is still held"
+    assert not ti._BEGUN and not ti._ENDED
