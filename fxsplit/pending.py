@@ -977,13 +977,12 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # Accumulate inside the dW graphs: each graph's run is the commit of
         # its fused weights, and computes the rest. Interrupted, the brackets
         # it ran tell which of its weights were written.
-        for i, (graph, positions) in accumulating.items():
+        for i, (graph, positions, grads) in accumulating.items():
             record = records[i]
             fused = list(map(record.params.__getitem__, positions))
-            grads = list(map(_grad_of, fused))
             with ti.recording_accumulation() as ledger:
                 try:
-                    results[i] = record.accumulate(graph, positions, select, self.timings)
+                    results[i] = record.accumulate(graph, positions, grads, select, self.timings)
                 except BaseException:
                     self._settle_interrupted(fused, grads, ledger, plan.position)
                     raise
@@ -992,10 +991,12 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         direct = self._takes(plan, results) if plan.take else ([], [])
         return (self._engine_commits(results, plan.wanted) if self.groups or any(map(_third, results)) else []), direct
 
-    def _accumulating_graphs(self, plan: CommitPlan) -> dict[int, tuple[ti.BoxedCallable, tuple[int, ...]]]:
+    def _accumulating_graphs(
+        self, plan: CommitPlan
+    ) -> dict[int, tuple[ti.BoxedCallable, tuple[int, ...], list[torch.Tensor]]]:
         """Per record of ``plan.accumulate``, the dW graph adding the gradients
-        at its positions (in the record's ``params``) into their ``.grad``, and
-        those positions, leaving out any ``.grad`` that shares storage with the
+        at its positions (in the record's ``params``) into their ``.grad``,
+        those positions and those ``.grad`` tensors, leaving out any ``.grad`` that shares storage with the
         live-ins the graph reads; none where none is left or the graph cannot
         be built (the record is computed and its gradients committed by the
         engine). Which graph variant it is, the plan keeps (its guard holds
@@ -1017,7 +1018,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             dw, key = variant if variant is not None else (owner.dw_positions(positions), None)
             graph = owner.accumulating_graph(dw, grads, key)
             if graph is not None:
-                found[i] = (graph, positions)
+                found[i] = (graph, positions, grads)
         return found
 
     def _takes(

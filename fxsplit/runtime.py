@@ -47,7 +47,6 @@ from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend, copy_exactl
 from fxsplit.layouts import BoundaryGuard
 from fxsplit.passes import SplitResult
 
-_GRAD = ti.grad_of
 _deref = ti.deref
 
 log = logging.getLogger("fxsplit")
@@ -493,15 +492,15 @@ class CompiledWeightWork:
         self,
         graph: ti.BoxedCallable,
         positions: Sequence[int],
+        grads: list[torch.Tensor],
         wanted: AbstractSet[int] | None = None,
         timings: dict[str, int] | None = None,
     ) -> Gradients:
         """Run ``graph``, the dW graph accumulating the gradients of the weights
         at ``positions`` (indices into :attr:`params`, plain weights) into their
-        ``.grad`` (:meth:`CompiledSplitBackward.accumulating_graph`), and return
-        the other gradients as :meth:`compute` does. Not pure: once called, the
-        weights at ``positions`` count as accumulated."""
-        grads = list(map(_GRAD, map(self.params.__getitem__, positions)))
+        ``.grad``, ``grads`` (:meth:`CompiledSplitBackward.accumulating_graph`),
+        and return the other gradients as :meth:`compute` does. Not pure: once
+        called, the weights at ``positions`` count as accumulated."""
         outs = self._owner.run_dw(list(self._check()) + grads, timings, self.slot, graph, tuple(positions))
         self._owner.accumulating_runs += 1
         # In-place writes of compiled kernels do not bump the version counter
