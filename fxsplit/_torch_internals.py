@@ -1367,101 +1367,70 @@ def fake_like(tensor: torch.Tensor, examples: Sequence[Any]) -> Any:
         return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=tensor.device)
 
 
-class _Recorded(collections.deque):  # type: ignore[type-arg]
-    """What the accumulation brackets (and ``addmm_into``) were called with,
-    in the order of the calls: each bracket's kernel *is* one of these
-    (calling it appends, a C call: no Python frame per weight). Shared by
-    every thread; a ledger reads only the part appended while it was
-    recording, and only the tensors its own W accumulates into (two threads
-    adding into one ``.grad`` at once would be a race anyway). Emptied when
-    no :func:`recording_accumulation` is active, so it keeps no ``.grad``
-    alive between Ws."""
-
-    __call__ = collections.deque.append
-
-
-_BEGUN, _ENDED = _Recorded(), _Recorded()
-
-
 class AccumulationLedger:
     """Which ``.grad`` tensors an accumulating dW graph has begun and finished
     writing, by data pointer, as its :data:`ACCUMULATION_BEGINS` /
     :data:`ACCUMULATION_ENDS` brackets ran, and :data:`ADDMM_INTO` (one write:
-    finished, or not begun), or as :func:`record_replayed_writes` says (see
-    :func:`recording_accumulation`). What a block nested in this one recorded
-    (a CUDA graph capture's calls) is not this ledger's."""
+    finished, or not begun) (see :func:`recording_accumulation`)."""
 
-    # (begun from, to, ended from, to) of each nested block; replaced, never changed
-    _nested: Sequence[tuple[int, int, int, int]] = ()
+    __slots__ = ("begun", "ended")
 
     def __init__(self) -> None:
-        self._begun_from, self._ended_from = len(_BEGUN), len(_ENDED)
+        self.begun: set[int] = set()
+        self.ended: set[int] = set()
 
     def state(self, grad: torch.Tensor) -> str:
         """``"written"``, ``"untouched"`` or ``"unknown"`` (begun, not ended)."""
         ptr = grad.data_ptr()
-        if ptr in _pointers(_ENDED, self._ended_from, [(c, d) for _, _, c, d in self._nested]):
+        if ptr in self.ended:
             return "written"
-        return "unknown" if ptr in _pointers(_BEGUN, self._begun_from, [(a, b) for a, b, _, _ in self._nested]) else "untouched"
+        return "unknown" if ptr in self.begun else "untouched"
 
 
-def record_replayed_writes(grads: Sequence[torch.Tensor], ended: bool) -> None:
-    """Record, for the ledger of the block open in this thread, that writes of
-    ``grads`` begin (``ended`` false) or ended: a CUDA graph replay's, for
-    which no bracket's kernel runs."""
-    (_ENDED if ended else _BEGUN).extend(grads)
+class _Sink(collections.deque):  # type: ignore[type-arg]
+    """A set that keeps nothing, in C calls: ``add`` and ``discard``."""
+
+    add = discard = collections.deque.append
 
 
-def _pointers(recorded: _Recorded, start: int, skipped: list[tuple[int, int]]) -> set[int]:
-    """The data pointers of what ``recorded`` holds from position ``start`` on,
-    but for the ``skipped`` ranges. (``list()`` copies in one C call: another
-    thread's append cannot interleave.)"""
-    items = list(recorded)
-    return {items[i].data_ptr() for i in range(start, len(items)) if not any(a <= i < b for a, b in skipped)}
+class _NoLedger:
+    """Where the brackets record when no :func:`recording_accumulation` is
+    active (they run on every in-graph accumulation: C calls only)."""
+
+    __slots__ = ()
+    begun = ended = _Sink(maxlen=0)
+
+
+_NO_LEDGER = _NoLedger()
 
 
 class _Ledgers(threading.local):
-    current: AccumulationLedger | None = None
+    current: AccumulationLedger | _NoLedger = _NO_LEDGER
 
 
 _LEDGERS = _Ledgers()
-# How many recording_accumulation blocks are open, in every thread (under the lock).
-_RECORDING = [0]
-_RECORDING_LOCK = threading.Lock()
 
 
 def current_ledger() -> AccumulationLedger | None:
     """The ledger :func:`recording_accumulation` set in this thread, if any."""
-    return _LEDGERS.current
+    ledger = _LEDGERS.current
+    return None if ledger is _NO_LEDGER else ledger  # type: ignore[return-value]
 
 
 class recording_accumulation:  # (lower case: used as a function, ``with recording_accumulation() as ledger:``)
     """Record, in this thread, the brackets the accumulating graphs run inside
     the block. A class, not a generator-based context manager: W enters one
-    per accumulating graph, and its frames are lines W runs on every call.
-    The ledger answers only inside the block (the last block to close, in
-    any thread, empties what the brackets recorded)."""
+    per accumulating graph, and its frames are lines W runs on every call."""
 
-    __slots__ = ("_previous", "_ledger")
+    __slots__ = ("_previous",)
 
     def __enter__(self) -> AccumulationLedger:
-        with _RECORDING_LOCK:  # (what brackets ran outside any block lies before the ledger's start)
-            _RECORDING[0] += 1
-            ledger = self._ledger = AccumulationLedger()
         self._previous = _LEDGERS.current
-        _LEDGERS.current = ledger
+        ledger = _LEDGERS.current = AccumulationLedger()
         return ledger
 
     def __exit__(self, *exc: object) -> None:
-        _LEDGERS.current = previous = self._previous
-        if previous is not None:  # what this block recorded is not the enclosing block's
-            inner = self._ledger
-            previous._nested = [*previous._nested, (inner._begun_from, len(_BEGUN), inner._ended_from, len(_ENDED))]
-        with _RECORDING_LOCK:
-            _RECORDING[0] -= 1
-            if not _RECORDING[0]:
-                _BEGUN.clear()
-                _ENDED.clear()
+        _LEDGERS.current = self._previous
 
 
 def _define_accumulating_matmul() -> tuple[Any, Any]:
@@ -1488,8 +1457,9 @@ def _define_accumulating_matmul() -> tuple[Any, Any]:
 
     def addmm_into(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         # addmm_ raises before it writes (it checks and allocates first) or
-        # writes all of grad and returns it: one write, recorded once done (AccumulationLedger).
-        _ENDED(grad.addmm_(a, b))
+        # writes all of grad and returns it: one write, recorded once done
+        # (AccumulationLedger; outside recording_accumulation, a sink that keeps nothing).
+        _LEDGERS.current.ended.add(grad.addmm_(a, b).data_ptr())
 
     lib.impl("addmm_into", addmm_into, "CompositeExplicitAutograd")
     lib.impl("addmm_into", lambda grad, a, b: None, "Meta")  # (fake tensors have no data pointer)
@@ -1509,17 +1479,20 @@ def _define_accumulation_brackets() -> tuple[Any, Any, Any]:
     operators that do nothing to ``grad`` but declare that they mutate it, so
     that Inductor keeps them (no dead-code elimination) and orders them before
     and after the kernel that adds into ``grad`` (writes to one buffer run in
-    program order). Their kernel (every device's) records ``grad`` for the
-    :class:`AccumulationLedger` of the W running: a C call, no Python frame
-    (:class:`_Recorded`). Compiled kernels write ``.grad`` without telling
-    anyone; these brackets are how W learns, after an exception, which
-    weights' accumulation happened. Tagged ``flexible_layout`` as
+    program order). Their CPU kernel records the data pointer in the current
+    :class:`AccumulationLedger`, if any. Compiled kernels write ``.grad`` without
+    telling anyone; these brackets are how W learns, after an exception,
+    which weights' accumulation happened. Tagged ``flexible_layout`` as
     ``addmm_into`` is, so that Inductor hands them ``grad`` itself, never a
     contiguous copy."""
     lib = torch.library.Library("fxsplit", "FRAGMENT")
-    for name, recorded in (("accumulation_begins", _BEGUN), ("accumulation_ends", _ENDED)):
+    for name, field in (("accumulation_begins", "begun"), ("accumulation_ends", "ended")):
         lib.define(f"{name}(Tensor(a!) grad) -> ()", tags=(torch.Tag.flexible_layout,))
-        lib.impl(name, recorded, "CompositeExplicitAutograd")
+
+        def kernel(grad: torch.Tensor, field: str = field) -> None:
+            getattr(_LEDGERS.current, field).add(grad.data_ptr())
+
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
         lib.impl(name, lambda grad: None, "Meta")
     return lib, torch.ops.fxsplit.accumulation_begins.default, torch.ops.fxsplit.accumulation_ends.default
 

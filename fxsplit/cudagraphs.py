@@ -504,13 +504,13 @@ class RegionCapture:
             self.replays["dW"] += 1
             return graph.hand_out()
         # One replay writes every accumulated .grad, or (raising) any of them.
-        recording = ti.current_ledger() is not None
-        grads = args[len(args) - n:]
-        if recording:
-            ti.record_replayed_writes(grads, ended=False)
+        ledger = ti.current_ledger()
+        ptrs = [g.data_ptr() for g in args[len(args) - n:]]
+        if ledger is not None:
+            ledger.begun.update(ptrs)
         self.backend.replay(graph.handle)
-        if recording:
-            ti.record_replayed_writes(grads, ended=True)
+        if ledger is not None:
+            ledger.ended.update(ptrs)
         self.replays["dW+accumulate"] += 1
         return graph.hand_out()
 

@@ -192,9 +192,8 @@ def test_the_accumulation_ledger_reads_its_own_block_and_keeps_nothing_after() -
     written, one only begun unknown, one bracketed in a nested block (a CUDA
     graph capture's calls, which a replay does not make) not this ledger's,
     one from before the block not either; another thread's block reads its own
-    writes and none of this one's. Once the last block closes, nothing the
-    brackets recorded is held (no ``.grad`` kept alive), also what ran outside
-    any block."""
+    writes and none of this one's. A bracket run outside any block keeps
+    nothing alive, and no ledger is current once the blocks close."""
     import threading
     import weakref
 
@@ -223,9 +222,10 @@ def test_the_accumulation_ledger_reads_its_own_block_and_keeps_nothing_after() -
         thread = threading.Thread(target=elsewhere)
         thread.start()
         thread.join()
-        assert [ledger.state(t) for t in (done, half, nested, before)] == ["written", "unknown", "untouched", "untouched"]
+        states = [ledger.state(t) for t in (done, half, nested, before, other)]
+        assert states == ["written", "unknown", "untouched", "untouched", "untouched"], states
     assert seen == {"other": "written", "done": "untouched"}
+    assert ti.current_ledger() is None
     gone = weakref.ref(before)
     del before
     assert gone() is None, "a tensor a bracket saw outside any block is still held"
-    assert not ti._BEGUN and not ti._ENDED
