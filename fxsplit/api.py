@@ -495,14 +495,8 @@ def _direct_call(
     if device.type == "cpu" and flag is not True:
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
-    if not all(map(operator.is_, nodes, itertools.repeat(node))) or ti.node_has_hooks(node):
-        return None
-    if any(map(_TENSOR_HOOKS, outs)) or any(map(_RETAINS_GRAD, outs)) or any(map(_TENSOR_HOOKS, xs)) or any(
-        map(_RETAINS_GRAD, xs)
-    ):
-        return None
-    by_output = dict(zip(map(_OUTPUT_NR, outs), grads))
-    if len(by_output) != len(outs):
+    by_output = _gradients_by_output(node, outs, nodes, grads)
+    if by_output is None or ti.node_has_hooks(node) or any(map(_TENSOR_HOOKS, xs)) or any(map(_RETAINS_GRAD, xs)):
         return None
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None
@@ -510,12 +504,13 @@ def _direct_call(
 
 
 def _gradients_by_output(
-    node: Any, outs: list[Any], grads: list[torch.Tensor]
+    node: Any, outs: list[Any], nodes: list[Node] | None, grads: list[torch.Tensor]
 ) -> dict[int, torch.Tensor] | None:
     """``{output_nr: gradient}`` where every output is a plain tensor of
-    ``node``'s, each once, with nothing autograd's engine would run on its way
+    ``node``'s (``nodes``: the outputs' nodes where all are plain tensors, else
+    ``None``), each once, with nothing autograd's engine would run on its way
     into ``node`` (a tensor hook, ``retain_grad``); else ``None``."""
-    if not ti.all_plain(outs) or not all(map(operator.is_, map(_GRAD_FN, outs), itertools.repeat(node))):
+    if nodes is None or not all(map(operator.is_, nodes, itertools.repeat(node))):
         return None
     if any(map(_TENSOR_HOOKS, outs)) or any(map(_RETAINS_GRAD, outs)):
         return None
@@ -533,7 +528,8 @@ def _outputs_are_the_captures(plan: EagerWeightPlan, outs: list[Any], grads: lis
     node = captures[0].node
     if any(e.node is not node or e.output_nr != getattr(o, "output_nr", None) for e, o in zip(captures, outs)):
         return False
-    return _gradients_by_output(node, outs, grads) is not None
+    nodes = list(map(_GRAD_FN, outs)) if ti.all_plain(outs) else None
+    return _gradients_by_output(node, outs, nodes, grads) is not None
 
 
 def _run_direct(

@@ -996,8 +996,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     ) -> dict[int, tuple[ti.BoxedCallable, tuple[int, ...], list[torch.Tensor]]]:
         """Per record of ``plan.accumulate``, the dW graph adding the gradients
         at its positions (in the record's ``params``) into their ``.grad``,
-        those positions and those ``.grad`` tensors, leaving out any ``.grad`` that shares storage with the
-        live-ins the graph reads; none where none is left or the graph cannot
+        those positions and those ``.grad`` tensors (which W passes on rather
+        than read again), leaving out any ``.grad`` that shares storage with
+        the live-ins the graph reads; none where none is left or the graph cannot
         be built (the record is computed and its gradients committed by the
         engine). Which graph variant it is, the plan keeps (its guard holds
         the ``.grad`` tensors' metadata, which decides it)."""
