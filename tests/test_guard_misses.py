@@ -238,6 +238,23 @@ class TwoRegions(nn.Module):
         return x + self.b(h)
 
 
+def _counted(monkeypatch: Any, module: Any, name: str) -> list[int]:
+    """Count the calls of ``module.name`` (one entry per call) for the test's duration."""
+    calls: list[int] = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def _with_ordinary_copies(model: nn.Module) -> tuple[Any, nn.Module, Any, nn.Module]:
+    """``(fn, ref, ref_fn, eager)``: ``model`` compiled for the split, and two
+    identical copies for ordinary backward, one compiled the same way, one not
+    (seeded and reset before ``model`` was built, by the caller)."""
+    ref, eager = copy.deepcopy(model), copy.deepcopy(model)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    return torch.compile(model, backend=backend), ref, torch.compile(ref, backend=backend), eager
+
+
 @pytest.mark.parametrize("shape", ["one_region", "two_regions", "first_stage", "non_leaf_input"])
 def test_b_plans_once_then_replays_and_every_guard_miss_plans_again(shape: str, monkeypatch: Any) -> None:
     """B plans a stage of compiled regions once (``plan_eager_weight_work``); later
@@ -246,20 +263,11 @@ def test_b_plans_once_then_replays_and_every_guard_miss_plans_again(shape: str, 
     (a miss), and the microbatch's gradients are ordinary backward's."""
     from fxsplit import stage_plan
 
-    walks: list[int] = []
-    walk = stage_plan.plan_eager_weight_work
-
-    def counting(*args: Any) -> Any:
-        walks.append(1)
-        return walk(*args)
-
-    monkeypatch.setattr(stage_plan, "plan_eager_weight_work", counting)
+    walks = _counted(monkeypatch, stage_plan, "plan_eager_weight_work")
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = TwoRegions() if shape == "two_regions" else Block()
-    ref, eager = copy.deepcopy(model), copy.deepcopy(model)  # ordinary backward: compiled, and uncompiled
-    backend = fxsplit.backend(compiler="eager", fallback="error")
-    fn, ref_fn = torch.compile(model, backend=backend), torch.compile(ref, backend=backend)
+    fn, ref, ref_fn, eager = _with_ordinary_copies(model)
     first = shape == "first_stage"
 
     def microbatch(dims: tuple[int, ...] = (2, 8, D)) -> None:
@@ -323,15 +331,11 @@ def test_w_plans_again_when_fused_accumulation_is_switched(monkeypatch: Any) -> 
     (compiled and uncompiled copies)."""
     from fxsplit import pending
 
-    planned: list[int] = []
-    plan_commits = pending.plan_commits
-    monkeypatch.setattr(pending, "plan_commits", lambda *a: planned.append(1) or plan_commits(*a))
+    planned = _counted(monkeypatch, pending, "plan_commits")
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = Block()
-    ref, eager = copy.deepcopy(model), copy.deepcopy(model)
-    backend = fxsplit.backend(compiler="eager", fallback="error")
-    fn, ref_fn = torch.compile(model, backend=backend), torch.compile(ref, backend=backend)
+    fn, ref, ref_fn, eager = _with_ordinary_copies(model)
     params = list(model.parameters())
 
     def microbatch(switch: bool | None = None) -> Any:
@@ -384,15 +388,11 @@ def test_a_change_below_the_outputs_region_plans_again(change: str, monkeypatch:
     the gradients are ordinary backward's (compiled and uncompiled copies)."""
     from fxsplit import stage_plan
 
-    walks: list[int] = []
-    walk = stage_plan.plan_eager_weight_work
-    monkeypatch.setattr(stage_plan, "plan_eager_weight_work", lambda *a: walks.append(1) or walk(*a))
+    walks = _counted(monkeypatch, stage_plan, "plan_eager_weight_work")
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = ScaledTwoRegions()
-    ref, eager = copy.deepcopy(model), copy.deepcopy(model)
-    backend = fxsplit.backend(compiler="eager", fallback="error")
-    fn, ref_fn = torch.compile(model, backend=backend), torch.compile(ref, backend=backend)
+    fn, ref, ref_fn, eager = _with_ordinary_copies(model)
     top_classes: set[type] = set()
     after = False
 
