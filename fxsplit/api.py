@@ -536,31 +536,24 @@ def _run_direct(
     node: Any, grads: dict[int, torch.Tensor], edges: list[int], targets: list[torch.Tensor], call: InputCall
 ) -> tuple[torch.Tensor | None, ...]:
     """B's engine call, made by calling the region's node itself
-    (:func:`_direct_call` says where): each target's gradient, checked and
-    conformed to the target's metadata as the engine's ``validate_outputs``
-    does (summed to its shape where it broadcasts, cast to its dtype)."""
+    (:func:`_direct_call` says where): each target's gradient. The region's
+    boundary guard (:class:`fxsplit.layouts.BoundaryGuard`) has made each the
+    shape, dtype and device the region was compiled for, the input's, which
+    the engine's ``validate_outputs`` checks; a target whose metadata changed
+    since the forward raises ``RuntimeError``, naming it."""
     results = run_directly(node, grads, call)
     if not isinstance(results, (tuple, list)):
         results = (results,)
-    picked = list(map(results.__getitem__, edges))
+    picked = tuple(map(results.__getitem__, edges))
     if all(map(operator.is_not, picked, _NONES)) and list(map(_META, picked)) == list(map(_META, targets)):
-        return tuple(picked)  # (the common case: each as its target is, checked at once)
-    out: list[torch.Tensor | None] = []
+        return picked  # (the common case: each as its target is, checked at once)
     for g, x in zip(picked, targets):
-        if g is not None and (g.shape != x.shape or g.dtype != x.dtype or g.device != x.device):
-            if g.device != x.device:
-                raise RuntimeError(f"fxsplit: the gradient of a stage input came back on {g.device}, expected {x.device}")
-            if g.shape != x.shape:
-                try:
-                    g = g.sum_to_size(x.shape)
-                except RuntimeError as e:
-                    raise RuntimeError(
-                        f"fxsplit: the gradient of a stage input has shape {list(g.shape)}, "
-                        f"not compatible with the input's {list(x.shape)}"
-                    ) from e
-            g = g.to(x.dtype)
-        out.append(g)
-    return tuple(out)
+        if g is not None and _META(g) != _META(x):
+            raise RuntimeError(
+                f"fxsplit: the gradient of a stage input is {tuple(g.shape)} {g.dtype} on {g.device}, "
+                f"the input {tuple(x.shape)} {x.dtype} on {x.device}: was it changed after the forward?"
+            )
+    return picked
 
 
 def _run_bottom_regions(plan: EagerWeightPlan, captured: Sequence[torch.Tensor | None]) -> None:

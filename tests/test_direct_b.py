@@ -422,3 +422,67 @@ def test_b_without_the_wrapper_where_a_region_output_has_no_gradient() -> None:
     regions = new_regions(before)  # (the split copy's and the ordinary one's)
     assert sorted(r.direct_b_runs for r in regions) == [0, 3]
     assert sorted(r.unwrapped_b_runs for r in regions) == [0, 2]
+
+
+def _other_strides(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t() if t.dim() == 2 else t
+
+
+def _at_an_offset(t: torch.Tensor) -> torch.Tensor:
+    buf = torch.empty(t.numel() + 5, dtype=t.dtype)
+    buf[5:].view(t.shape).copy_(t)
+    return buf[5:].view(t.shape)
+
+
+@pytest.mark.parametrize("distort", [
+    pytest.param(lambda t: t.double(), id="dtype"),
+    pytest.param(_other_strides, id="strides"),
+    pytest.param(_at_an_offset, id="offset"),
+    pytest.param(lambda t: t.reshape(-1), id="rank"),
+])
+def test_b_calls_the_region_itself_where_dI_returns_another_layout(distort: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Inductor may return an input gradient in any layout that holds its
+    values: the direct call hands B's caller what the engine path does (the
+    boundary guard conforms its shape and dtype to the input's; strides pass
+    as they are, to the engine too), and W's gradients are ordinary backward's."""
+    model, x, g = _stage()
+    engine, ordinary = copy.deepcopy(model), copy.deepcopy(model)
+    fn, engine_fn, ref_fn = _compiled(model), _compiled(engine), _compiled(ordinary)
+    regions = [_region_of(f, x) for f in (fn, engine_fn)]
+    for region in regions:
+        region.prepare_split()
+        real, n = region._run_di, len(region.split.di_outputs)
+
+        def distorted(args: list[Any], real: Any = real, n: int = n) -> list[Any]:
+            outs = list(real(args))
+            return [distort(o) if i < n and isinstance(o, torch.Tensor) else o for i, o in enumerate(outs)]
+
+        region._run_di = distorted
+    for step in range(2):
+        dx = _split_step(model, fn, x + step, g)
+        with fxsplit.config.patch(direct_b=False):
+            engine_dx = _split_step(engine, engine_fn, x + step, g)
+        ref_dx = _ordinary_step(ordinary, ref_fn, x + step, g)
+        assert (dx.shape, dx.dtype) == (x.shape, x.dtype) and dx.stride() == engine_dx.stride()
+        assert torch.equal(dx, engine_dx)
+        torch.testing.assert_close(dx, ref_dx)
+        _assert_same(model, engine, bitwise=True)
+        _assert_same(model, ordinary)
+    assert [r.direct_b_runs for r in regions] == [2, 0]
+
+
+def test_b_calls_the_region_itself_and_refuses_an_input_changed_after_the_forward() -> None:
+    """An input whose shape changed after the forward (``x.data = ...``) no
+    longer matches its gradient: B raises, naming it, as the engine path
+    raises when it assigns ``.grad``, and no weight gradient is written."""
+    model, x, g = _stage()
+    fn = _compiled(model)
+    params = list(model.parameters())
+    _split_step(model, fn, x, g)  # (a first B learns the region's call)
+    model.zero_grad(set_to_none=True)
+    xi = x.detach().requires_grad_()
+    out = fn(xi)
+    xi.data = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match=r"the gradient of a stage input is \(4, 8\).*the input \(2, 8\)"):
+        fxsplit.stage_backward_input([out], [g], [xi], params)
+    assert xi.grad is None and all(p.grad is None for p in params)
