@@ -246,14 +246,6 @@ class EagerWeightPlan:
     # when it was first built); otherwise B compiles them before its call.
     prepared: bool = False
 
-    @property
-    def eager_weights(self) -> list[torch.Tensor]:
-        return [w for g in self.groups for w in g.weights]
-
-    @property
-    def empty(self) -> bool:
-        return not self.groups
-
 
 def _group_weights(
     starts: list[tuple[torch.Tensor, set[Node], set[int]]],
