@@ -9,7 +9,8 @@ laid out column-major, a
 ``.grad`` set to ``None`` or to a tensor of another layout, a hook added, a
 ``grad_dtype`` changed, a frozen weight unfrozen and the reverse, a new input
 shape or dtype that recompiles the region; below the outputs' region, a region
-recompiled alone or an input no longer a leaf), then runs two more microbatches.
+recompiled alone or an input no longer a leaf; the inputs given in another
+order, an output made after the region), then runs more microbatches.
 Three identical copies go through the same sequence: split into B then W,
 ordinary backward through the same fxsplit region, and uncompiled eager
 code; the input gradients, every ``.grad`` (value, dtype, strides) and every
@@ -426,3 +427,77 @@ def test_a_change_below_the_outputs_region_plans_again(change: str, monkeypatch:
         microbatch()
         assert len(walks) == 2, f"{change}: the new plan was not kept"
     assert len(top_classes) == 1, "the outputs' region was recompiled too: the miss was not below it"
+
+
+class TwoInTwoOut(nn.Module):
+    """One compiled region with two inputs and two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x) * y, self.b(y) + x
+
+
+@pytest.mark.parametrize("change", ["inputs_in_another_order", "one_nodes_outputs_in_another_order",
+                                    "an_output_no_longer_the_regions"])
+def test_a_change_in_how_the_region_meets_the_call_plans_again(change: str, monkeypatch: Any) -> None:
+    """The guard's checks of what surrounds the region in the call: the stage
+    inputs given in another order (two leaves; two outputs of one node, as
+    ``chunk`` makes them, which only their output numbers tell apart), or an
+    output that is now made by an op after the region. The region and its
+    weights are as before, so B replays the kept plan's shape and must miss
+    inside it; the input gradients, in the order given, and every ``.grad``
+    are ordinary backward's (compiled and uncompiled copies). Replayed
+    regardless, the two reorderings give wrong input gradients; the output
+    made after the region does not here (the op holds no weight), but the
+    plan no longer describes the stage."""
+    from fxsplit import stage_plan
+
+    walks = _counted(monkeypatch, stage_plan, "plan_eager_weight_work")
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    fn, ref, ref_fn, eager = _with_ordinary_copies(TwoInTwoOut())
+    model = fn._orig_mod
+    after = False
+
+    def microbatch() -> None:
+        base, dys = torch.randn(4, D), [torch.randn(2, D), torch.randn(2, D)]
+        copies = []
+        for _ in range(3):
+            if change == "one_nodes_outputs_in_another_order":
+                root = base.clone().requires_grad_()
+                x, y = root.chunk(2)
+            else:
+                x, y = (t.clone().requires_grad_() for t in base.chunk(2))
+            copies.append((x, y))
+        results = []
+        for k, f in enumerate((fn, ref_fn, eager)):
+            x, y = copies[k]
+            o1, o2 = f(x, y)
+            outs = [o1, o2 * 1.0 if after and change == "an_output_no_longer_the_regions" else o2]
+            xs = [y, x] if after and change != "an_output_no_longer_the_regions" else [x, y]
+            if k == 0:
+                params = list(model.parameters())
+                dxs, work = fxsplit.stage_backward_input(outs, dys, xs, params)
+                fxsplit.stage_backward_weight(params, work)
+            else:
+                dxs = torch.autograd.grad(outs, xs, dys, retain_graph=True)
+                torch.autograd.backward(outs, dys)
+            results.append(dxs)
+        for k, other in ((1, ref), (2, eager)):
+            tol = {} if other is ref else {"rtol": 2e-5, "atol": 1e-5}
+            for got, want in zip(results[0], results[k]):
+                torch.testing.assert_close(got, want, **tol)
+            for p, q in zip(model.parameters(), other.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **tol)
+
+    with fxsplit.config.patch(direct_b=True):
+        for _ in range(3):
+            microbatch()
+        assert len(walks) == 1
+        after = True
+        microbatch()
+        assert len(walks) == 2, f"{change}: B replayed a plan whose guard should have missed"
