@@ -644,3 +644,87 @@ def test_boundary_guard_guards_a_call_that_passed_in_an_accepted_layout() -> Non
     wrong = torch.randn(8, 4).t()  # (4, 8) column-major: conformed to the compiled layout
     got = guard([torch.empty(8, 1).t(), wrong, wrong])
     assert got[1].stride() == (8, 1) and torch.equal(got[1], wrong)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_grad_sharing_storage_with_what_the_dw_graph_reads_is_accumulated_after_it(compiler: str) -> None:
+    """A ``.grad`` that shares storage with the stage input, which the weight's
+    gradient is computed from (a live-in of the dW graph): W does not add into
+    it inside that graph (it would overwrite what the graph still reads) but
+    through autograd's accumulation after it, as ordinary backward does, in
+    place; the bias beside it is still accumulated in the graph. ``.grad``,
+    its storage and the input's values after are ordinary backward's
+    (compiled and uncompiled copies)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    ref, eager = copy.deepcopy(lin), copy.deepcopy(lin)
+    backend = fxsplit.backend(compiler=compiler, fallback="error")
+    fns = (torch.compile(lin, backend=backend), torch.compile(ref, backend=backend), eager)
+    params = list(lin.parameters())
+    for _ in range(3):
+        x, g = torch.randn(8, 8), torch.randn(8, 8)
+        seen = []
+        for m, fn in zip((lin, ref, eager), fns):
+            xi = x.clone().requires_grad_()
+            out = fn(xi)
+            m.weight.grad, m.bias.grad = xi.detach(), torch.ones(8)
+            if m is lin:
+                _, work = fxsplit.stage_backward_input([out], [g], [xi], params)
+                fxsplit.stage_backward_weight(params, work)
+                assert work.accumulated_in_graph == [1]
+            else:
+                out.backward(g)
+            seen.append((m.weight.grad.data_ptr() == xi.data_ptr(), m.weight.grad, m.bias.grad, xi.detach()))
+        for other in seen[1:]:
+            assert seen[0][0] == other[0]
+            for a, b in zip(seen[0][1:], other[1:]):
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_dw_graph_returning_one_tensor_for_two_gradients_gives_each_weight_its_own(compiler: str) -> None:
+    """Two weights whose gradients are equal, and a dW graph that returns one
+    tensor for both (numerically the same values: Inductor may): W takes
+    neither as it is, and each weight gets a ``.grad`` of its own, as in
+    ordinary backward (where the graph returns two)."""
+
+    class Twin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.ones(6)), nn.Parameter(torch.ones(6))
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x * self.a + x * self.b)
+
+    torch.manual_seed(0)
+    model = Twin()
+    ref = copy.deepcopy(model)
+    backend = fxsplit.backend(compiler=compiler, fallback="error")
+    fn, ref_fn = torch.compile(model, backend=backend), torch.compile(ref, backend=backend)
+    before = fxsplit.compiled_regions()
+    fn(torch.randn(5, 6, requires_grad=True))
+    (region,) = [r for r in fxsplit.compiled_regions() if r not in before]
+    region.prepare_split()
+    real = region._run_dw
+    (a_out, b_out) = (region.weight_grads[k].positions[0] for k in (0, 1))
+
+    def one_for_both(args: list[Any]) -> list[Any]:
+        outs = list(real(args))
+        outs[b_out] = outs[a_out]
+        return outs
+
+    region._run_dw = one_for_both
+    params = list(model.parameters())
+    for _ in range(2):
+        for p in (*params, *ref.parameters()):
+            p.grad = None
+        x, g = torch.randn(5, 6), torch.randn(5, 6)
+        _, work = fxsplit.stage_backward_input([fn(xa := x.clone().requires_grad_())], [g], [xa], params)
+        fxsplit.stage_backward_weight(params, work)
+        ref_fn(x.clone().requires_grad_()).backward(g)
+        assert model.a.grad.untyped_storage().data_ptr() != model.b.grad.untyped_storage().data_ptr()
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+            assert p.grad.stride() == q.grad.stride()
+        assert 0 not in work.handed_over and 1 not in work.handed_over
