@@ -501,3 +501,64 @@ def test_a_change_in_how_the_region_meets_the_call_plans_again(change: str, monk
         after = True
         microbatch()
         assert len(walks) == 2, f"{change}: B replayed a plan whose guard should have missed"
+
+
+def test_the_kept_plans_are_bounded_and_an_evicted_one_is_made_again() -> None:
+    """W keeps at most ``MAX_COMMIT_PLANS`` commit plans per stage plan and B at
+    most ``MAX_PLANS_PER_REGION`` stage plans per region, the oldest dropped
+    first: ``.grad`` emptied in a new pattern at every microbatch (a new
+    commit plan each), then a weight swapped for a new one at every
+    microbatch (a new stage plan each), fill both lists to their bounds and
+    no further; a stage that returns to its first weights, whose plan was
+    dropped, is planned again. The gradients are ordinary backward's
+    throughout (compiled and uncompiled copies)."""
+    from fxsplit import pending, stage_plan
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Block()
+    fn, ref, ref_fn, eager = _with_ordinary_copies(model)
+    copies = (model, ref, eager)
+    first = [m.a.weight for m in copies]
+    names = [name for name, _ in model.named_parameters()]
+
+    def microbatch(empty: int = 0) -> list[Any]:
+        for m in copies:  # the .grad of parameter k emptied where bit k of ``empty`` is set
+            for k, p in enumerate(m.parameters()):
+                if (empty >> k) & 1:
+                    p.grad = None
+        x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        out = fn(xs[0])
+        region_class = type(out.grad_fn)
+        params = list(model.parameters())
+        (g,), work = fxsplit.stage_backward_input([out], [dy], [xs[0]], params)
+        fxsplit.stage_backward_weight(params, work)
+        ref_fn(xs[1]).backward(dy)
+        eager(xs[2]).backward(dy)
+        for k, other in ((1, ref), (2, eager)):
+            tol = {} if other is ref else {"rtol": 2e-5, "atol": 1e-5}
+            torch.testing.assert_close(g, xs[k].grad, **tol)
+            for name, p, q in zip(names, model.parameters(), other.parameters()):
+                assert (p.grad is None) == (q.grad is None), name
+                if p.grad is not None:
+                    torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{name}: {m}")
+        shapes = region_class.__dict__[stage_plan._PLANS_ATTR]
+        assert len(shapes) <= stage_plan.MAX_PLANS_PER_REGION
+        assert all(len(s.fields["commit_plans"]) <= pending.MAX_COMMIT_PLANS for s in shapes)
+        return shapes
+
+    with fxsplit.config.patch(direct_b=True):
+        for empty in range(pending.MAX_COMMIT_PLANS + 2):
+            (shape,) = microbatch(empty)
+        assert len(shape.fields["commit_plans"]) == pending.MAX_COMMIT_PLANS
+        for _ in range(stage_plan.MAX_PLANS_PER_REGION + 1):
+            value = torch.randn(D, D) * 0.1
+            for m in copies:
+                m.a.weight = nn.Parameter(value.clone())
+            shapes = microbatch()
+        assert len(shapes) == stage_plan.MAX_PLANS_PER_REGION and all(s is not shape for s in shapes)
+        for m, w in zip(copies, first):
+            m.a.weight = w
+        shapes = microbatch()
+    assert shapes[-1] is not shape and shapes[-1].weights[2]() is first[0], "the first weights' plan was not made again"
