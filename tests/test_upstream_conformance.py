@@ -386,3 +386,20 @@ def test_a_gradient_edge_needs_its_output_gradient(mode: str) -> None:
                                      weights=mod.parameters())
     assert isinstance(info.value, ValueError) and isinstance(info.value, fxsplit.MissingOutputGradError)
     assert x.grad is None and all(p.grad is None for p in mod.parameters())
+
+
+@pytest.mark.parametrize("mode", FAST)
+def test_full_backward_of_the_outputs_picked_by_index_as_upstream(mode: str) -> None:
+    """``outputs_with_grads_idxs`` (upstream keeps it for its compiler) picks the
+    outputs, and their gradients, that the full backward starts from: the
+    input gradients and every ``.grad`` are upstream's ``stage_backward``'s on
+    an identical copy, compiled the same way."""
+    from torch.distributed.pipelining import _backward as upstream
+
+    mod, ref, x, rx = pair(TwoOutputs)
+    grads = [torch.randn(BATCH, D), torch.randn(BATCH, D), None]
+    dx = fxsplit.stage_backward(list(staged(mod, mode)(x)), grads, [x], outputs_with_grads_idxs=[1])
+    (rdx,) = upstream.stage_backward(list(staged(ref, mode)(rx)), grads, [rx], outputs_with_grads_idxs=[1])
+    torch.testing.assert_close(dx[0], rdx)
+    assert mod.net2.weight.grad is not None and bool(mod.net2.weight.grad.abs().sum() > 0)
+    assert_params_match(mod, ref)
