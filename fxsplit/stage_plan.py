@@ -392,9 +392,10 @@ def _read_regions(plan: EagerWeightPlan, out_nodes: Sequence[Node], xs: Sequence
 
     Such a stage's plan has no eager part (no group, node run once,
     intermediate or W root), every node below its outputs is a split region,
-    a stage input's gradient node, or the grad accumulator of a stage input
-    or of a given ``nn.Parameter`` (whose gradient a region's dW graph
-    computes); a first stage (no ``xs``) is one region whose outputs are the
+    a stage input's gradient node, or the grad accumulator of a stage input,
+    of a given ``nn.Parameter`` (whose gradient a region's dW graph
+    computes) or of a leaf not given (whose gradient nobody computes, as in
+    upstream's B and W); a first stage (no ``xs``) is one region whose outputs are the
     stage's. Sets ``split_regions`` in the order of a walk from the outputs
     (each region after one above it), and per region its ``region_children``
     (the node of each of its ``next_functions``) and ``region_params`` (the
@@ -420,8 +421,11 @@ def _read_regions(plan: EagerWeightPlan, out_nodes: Sequence[Node], xs: Sequence
         row = params[node] = []
         for c in kids:
             if type(c) is accumulate_grad and id(c.variable) not in leaves:
-                if id(c.variable) not in given or not isinstance(c.variable, torch.nn.Parameter):
-                    return False  # a leaf no given weight, or a plain-tensor weight: the general plan's
+                if id(c.variable) not in given:
+                    row.append(None)  # a leaf no given weight: W computes no gradient for it
+                    continue
+                if not isinstance(c.variable, torch.nn.Parameter):
+                    return False  # a plain-tensor weight: the general plan's
                 row.append(c.variable)
                 continue
             if c is not None and type(c) is not accumulate_grad:
@@ -603,7 +607,10 @@ class _RegionShape:
     must be in the call's pool ``[*weights, *inputs]`` (an input is its
     gradient node, or itself where it is a leaf). Children that are regions
     are :attr:`StageShape.region_children`. ``params``: positions in
-    ``[*weights, None]`` of the plan's ``region_params`` row.
+    ``[*weights, None]`` of the plan's ``region_params`` row. ``others``: the
+    positions of grad accumulators of leaves that were neither a given
+    weight nor an input (W computes no gradient for them), whose variables
+    must still be in no position of the pool.
     """
 
     cls: type
@@ -614,6 +621,7 @@ class _RegionShape:
     accumulators_at: tuple[int, ...]
     expected: tuple[int, ...]
     params: tuple[int, ...]
+    others: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -629,12 +637,13 @@ class StageShape:
     region, a new compiled variant, is another class); each region's children
     of the same types (a weight frozen or unfrozen turns an accumulator into
     ``None`` or back), its accumulators holding the same weights (a swapped
-    weight is another object) or this call's leaf inputs, its other children
-    the same regions or this call's inputs' gradient nodes (at the same
-    output number where B may call the region's node itself); every output's
-    node the region it was. That is everything the plan of a stage of
-    compiled regions only depends on (:func:`_read_regions`: nothing but
-    regions, inputs and given weights below the outputs), so planning again
+    weight is another object) or this call's leaf inputs, or, where they held
+    a leaf neither, still neither; its other children the same regions or
+    this call's inputs' gradient nodes (at the same output number where B may
+    call the region's node itself); every output's node the region it was.
+    That is everything the plan of a stage of compiled regions only depends
+    on (:func:`_read_regions`: nothing but regions, inputs and the
+    accumulators of leaves below the outputs), so planning again
     would return the same plan; what B and W decide per
     call (hooks, ``.grad``, layouts, anomaly mode, streams) is not in a plan.
     Holds the weights weakly (a plan does not keep a model alive).
@@ -678,6 +687,8 @@ class StageShape:
                 return None
             found = [*map(kids.__getitem__, r.nodes_at), *map(_variable, map(kids.__getitem__, r.accumulators_at))]
             if not all(map(operator.is_, found, map(pool.__getitem__, r.expected))):
+                return None
+            if r.others and not {*map(id, pool)}.isdisjoint(map(id, map(_variable, map(kids.__getitem__, r.others)))):
                 return None
             nodes.append(node)
             children.append(kids)
@@ -749,12 +760,15 @@ def _region_shape(
         parent, at = next((r, plan.region_children[nodes[r]].index(node)) for r in range(i)
                           if node in plan.region_children[nodes[r]])
     kids = plan.region_children[node]
-    node_pos, node_exp, acc_pos, acc_exp, regions = [], [], [], [], []
+    node_pos, node_exp, acc_pos, acc_exp, regions, others = [], [], [], [], [], []
     for k, c in enumerate(kids):
         if c is None:
             continue
         if type(c) is accumulate_grad:
             v = c.variable
+            if id(v) not in leaf_at and id(v) not in weight_at:
+                others.append(k)  # a leaf neither given nor an input: no part of the plan
+                continue
             acc_pos.append(k)
             acc_exp.append(n_w + leaf_at[id(v)] if id(v) in leaf_at else weight_at[id(v)])
         elif c in index:
@@ -764,7 +778,7 @@ def _region_shape(
             node_exp.append(n_w + input_node_at[c])
     params = [n_w if p is None else weight_at[id(p)] for p in plan.region_params[node]]
     return _RegionShape(type(node), parent, at, tuple(map(type, kids)), tuple(node_pos), tuple(acc_pos),
-                        tuple(node_exp + acc_exp), tuple(params)), regions
+                        tuple(node_exp + acc_exp), tuple(params), tuple(others)), regions
 
 
 def prepare_regions(nodes: Iterable[Node]) -> None:

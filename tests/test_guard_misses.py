@@ -562,3 +562,41 @@ def test_the_kept_plans_are_bounded_and_an_evicted_one_is_made_again() -> None:
             m.a.weight = w
         shapes = microbatch()
     assert shapes[-1] is not shape and shapes[-1].weights[2]() is first[0], "the first weights' plan was not made again"
+
+
+@pytest.mark.parametrize("direct_b", [True, "auto"])
+def test_a_stage_given_some_of_its_weights_plans_once_and_replays(direct_b: Any, monkeypatch: Any) -> None:
+    """B given only some of the stage's weights (the others get no gradient, as
+    in upstream's B and W): the stage is still compiled regions only, so B
+    plans it once and replays the plan (calling the region's node itself
+    where :data:`fxsplit.config.direct_b` says so), and the input gradients
+    and every ``.grad`` are ordinary backward's with ``inputs=`` the input and
+    those weights (compiled and uncompiled copies)."""
+    from fxsplit import stage_plan
+
+    walks = _counted(monkeypatch, stage_plan, "plan_eager_weight_work")
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Block()
+    fn, ref, ref_fn, eager = _with_ordinary_copies(model)
+    given = ("ln.weight", "a.weight", "b.bias")
+    before = fxsplit.compiled_regions()
+    with fxsplit.config.patch(direct_b=direct_b):
+        for _ in range(4):
+            x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)
+            xs = [x.clone().requires_grad_() for _ in range(3)]
+            weights = [p for name, p in model.named_parameters() if name in given]
+            (g,), work = fxsplit.stage_backward_input([fn(xs[0])], [dy], [xs[0]], weights)
+            fxsplit.stage_backward_weight(weights, work)
+            for k, (other, f) in enumerate(((ref, ref_fn), (eager, eager)), start=1):
+                theirs = [p for name, p in other.named_parameters() if name in given]
+                torch.autograd.backward(f(xs[k]), dy, inputs=[xs[k], *theirs])
+                tol = {} if other is ref else {"rtol": 2e-5, "atol": 1e-5}
+                torch.testing.assert_close(g, xs[k].grad, **tol)
+                for (name, p), q in zip(model.named_parameters(), other.parameters()):
+                    assert (p.grad is None) == (q.grad is None) == (name not in given), name
+                    if p.grad is not None:
+                        torch.testing.assert_close(p.grad, q.grad, **tol)
+    assert len(walks) == 1, "a stage that did not change was walked again"
+    region = next(r for r in fxsplit.compiled_regions() if r not in before)  # (the split copy's, compiled first)
+    assert region.direct_b_runs == (4 if direct_b is True else 0)
