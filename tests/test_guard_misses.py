@@ -600,3 +600,47 @@ def test_a_stage_given_some_of_its_weights_plans_once_and_replays(direct_b: Any,
     assert len(walks) == 1, "a stage that did not change was walked again"
     region = next(r for r in fxsplit.compiled_regions() if r not in before)  # (the split copy's, compiled first)
     assert region.direct_b_runs == (4 if direct_b is True else 0)
+
+
+class TiedAcrossABreak(nn.Module):
+    """Two regions (a graph break), each with a weight of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(D, D) * 0.3)
+        self.q = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.p)
+        torch._dynamo.graph_break()
+        return torch.tanh(h @ self.q)
+
+
+def test_a_weight_not_given_tied_to_a_given_one_plans_again(monkeypatch: Any) -> None:
+    """B given only ``q``: the lower region's ``p`` gets no gradient. Tied to
+    ``q`` between microbatches (``model.p = model.q``), the lower region (not
+    recompiled: it reads no other weight ``p`` could alias) now holds a given
+    weight where the plan has none; replayed, W would leave out that region's
+    share of ``q``'s gradient. B plans again, and the gradients are ordinary
+    backward's with ``inputs=`` the input and ``q`` (compiled and uncompiled
+    copies)."""
+    from fxsplit import stage_plan
+
+    walks = _counted(monkeypatch, stage_plan, "plan_eager_weight_work")
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = TiedAcrossABreak()
+    fn, ref, ref_fn, eager = _with_ordinary_copies(model)
+    for step in range(5):
+        if step == 3:
+            for m in (model, ref, eager):
+                m.p = m.q
+        x, dy = torch.randn(4, D), torch.randn(4, D)
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        (g,), work = fxsplit.stage_backward_input([fn(xs[0])], [dy], [xs[0]], [model.q])
+        fxsplit.stage_backward_weight([model.q], work)
+        for k, (other, f) in enumerate(((ref, ref_fn), (eager, eager)), start=1):
+            torch.autograd.backward(f(xs[k]), dy, inputs=[xs[k], other.q])
+            torch.testing.assert_close(g, xs[k].grad, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(model.q.grad, other.q.grad, msg=lambda m: f"step {step}: {m}")
+        assert len(walks) == (1 if step < 3 else 2), f"step {step}: walked {len(walks)} time(s)"
