@@ -607,10 +607,7 @@ class _RegionShape:
     must be in the call's pool ``[*weights, *inputs]`` (an input is its
     gradient node, or itself where it is a leaf). Children that are regions
     are :attr:`StageShape.region_children`. ``params``: positions in
-    ``[*weights, None]`` of the plan's ``region_params`` row. ``others``: the
-    positions of grad accumulators of leaves that were neither a given
-    weight nor an input (W computes no gradient for them), whose variables
-    must still be in no position of the pool.
+    ``[*weights, None]`` of the plan's ``region_params`` row.
     """
 
     cls: type
@@ -621,7 +618,6 @@ class _RegionShape:
     accumulators_at: tuple[int, ...]
     expected: tuple[int, ...]
     params: tuple[int, ...]
-    others: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -664,6 +660,20 @@ class StageShape:
     # (region, position among its children, region that child must be), by
     # position in the regions: checked once every region's node is found
     region_children: tuple[tuple[int, int, int], ...]
+    # (region, position among its children) of the grad accumulators of
+    # leaves that were neither a given weight nor an input (W computes no
+    # gradient for them): each must still hold neither
+    others: tuple[tuple[int, int], ...]
+
+    def _misses_across(self, nodes: list[Any], children: list[list[Any]], pool: list[Any]) -> bool:
+        """Whether, every region's node found, a child that must be another
+        region is not, or an accumulator in :attr:`others` now holds a given
+        weight or an input (a weight tied to a given one: W would leave out
+        this region's share of its gradient)."""
+        if any(children[i][k] is not nodes[j] for i, k, j in self.region_children):
+            return True
+        held = set(map(id, pool))
+        return any(id(children[i][k].variable) in held for i, k in self.others)
 
     def replay(
         self, outs: Sequence[torch.Tensor | GradientEdge], out_nodes: list[Any], xs: Sequence[torch.Tensor],
@@ -688,11 +698,9 @@ class StageShape:
             found = [*map(kids.__getitem__, r.nodes_at), *map(_variable, map(kids.__getitem__, r.accumulators_at))]
             if not all(map(operator.is_, found, map(pool.__getitem__, r.expected))):
                 return None
-            if r.others and not {*map(id, pool)}.isdisjoint(map(id, map(_variable, map(kids.__getitem__, r.others)))):
-                return None
             nodes.append(node)
             children.append(kids)
-        if self.region_children and any(children[i][k] is not nodes[j] for i, k, j in self.region_children):
+        if (self.region_children or self.others) and self._misses_across(nodes, children, pool):
             return None
         if not all(map(operator.is_, out_nodes, map(nodes.__getitem__, self.output_regions))):
             return None
@@ -737,20 +745,23 @@ def _stage_shape(
     if plan.direct_edges is not None:
         numbers = tuple((k, i, x.output_nr) for i, (k, x) in enumerate(zip(plan.direct_edges, xs)) if x.grad_fn is not None)
     return StageShape(
-        refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shape for shape, _ in read),
+        refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shape for shape, _, _ in read),
         tuple(index[n] for n in out_nodes), bool(plan.captures),
         {**{k: v for k, v in vars(plan).items() if k not in _PER_CALL}, "bottom_regions": [], "captures": [],
          "w_side": frozenset(), "rerun": frozenset(), "commit_plans": [], "prepared": True}, numbers,
-        tuple((i, k, j) for i, (_, region_kids) in enumerate(read) for k, j in region_kids),
+        tuple((i, k, j) for i, (_, region_kids, _) in enumerate(read) for k, j in region_kids),
+        tuple((i, k) for i, (_, _, others) in enumerate(read) for k in others),
     )
 
 
 def _region_shape(
     plan: EagerWeightPlan, i: int, out_nodes: Sequence[Any], n_w: int, index: dict[Any, int],
     weight_at: dict[int, int], leaf_at: dict[int, int], input_node_at: dict[Any, int], accumulate_grad: type,
-) -> tuple[_RegionShape, list[tuple[int, int]]]:
-    """Region ``i`` of the plan as :class:`StageShape` keeps it, and its children
-    that are regions (position among its children, region index); KeyError:
+) -> tuple[_RegionShape, list[tuple[int, int]], list[int]]:
+    """Region ``i`` of the plan as :class:`StageShape` keeps it, its children
+    that are regions (position among its children, region index), and the
+    positions of its grad accumulators of leaves that are neither a given
+    weight nor an input (:attr:`StageShape.others`); KeyError:
     the plan has a child it could not have made."""
     nodes = plan.split_regions
     node = nodes[i]
@@ -778,7 +789,7 @@ def _region_shape(
             node_exp.append(n_w + input_node_at[c])
     params = [n_w if p is None else weight_at[id(p)] for p in plan.region_params[node]]
     return _RegionShape(type(node), parent, at, tuple(map(type, kids)), tuple(node_pos), tuple(acc_pos),
-                        tuple(node_exp + acc_exp), tuple(params), tuple(others)), regions
+                        tuple(node_exp + acc_exp), tuple(params)), regions, others
 
 
 def prepare_regions(nodes: Iterable[Node]) -> None:
