@@ -672,8 +672,7 @@ class StageShape:
         this region's share of its gradient)."""
         if any(children[i][k] is not nodes[j] for i, k, j in self.region_children):
             return True
-        held = set(map(id, pool))
-        return any(id(children[i][k].variable) in held for i, k in self.others)
+        return bool(self.others) and not set(map(id, pool)).isdisjoint(id(children[i][k].variable) for i, k in self.others)
 
     def replay(
         self, outs: Sequence[torch.Tensor | GradientEdge], out_nodes: list[Any], xs: Sequence[torch.Tensor],
