@@ -229,3 +229,55 @@ def test_the_accumulation_ledger_reads_its_own_block_and_keeps_nothing_after() -
     gone = weakref.ref(before)
     del before
     assert gone() is None, "a tensor a bracket saw outside any block is still held"
+
+
+def test_w_interrupted_between_two_gradients_it_takes_then_repeated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W sets an empty ``.grad`` to the dW graph's gradient itself where
+    autograd would (one assignment per weight, no operator dispatched, so
+    the test above cannot interrupt it). Interrupted before the k-th
+    assignment (``KeyboardInterrupt`` from the assignment), every weight's
+    ``.grad`` is either untouched or final, W called again finishes exactly
+    the rest, and the gradients are ordinary backward's on an identical copy."""
+    from fxsplit import pending
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    params = list(model.parameters())
+    taken: list[int] = []
+    k = 0
+    while True:
+        for p in (*params, *ref.parameters()):
+            p.grad = None
+        x, g = torch.randn(4, 8), torch.randn(4, 8)
+        ref(x.clone().requires_grad_()).backward(g)
+        xi = x.clone().requires_grad_()
+        _, work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], params)
+        calls = []
+
+        def assign(obj: Any, name: str, value: Any) -> None:
+            if name == "grad":
+                calls.append(1)
+                if len(calls) == k + 1:
+                    raise KeyboardInterrupt
+            setattr(obj, name, value)
+
+        monkeypatch.setattr(pending, "setattr", assign, raising=False)
+        try:
+            fxsplit.stage_backward_weight(params, work)
+        except KeyboardInterrupt:
+            for p, q in zip(params, ref.parameters()):
+                if p.grad is not None:  # untouched or final
+                    torch.testing.assert_close(p.grad, q.grad)
+            assert sum(p.grad is not None for p in params) == k == len(work.handed_over)
+        finally:
+            monkeypatch.undo()
+        if work.done:  # (no k-th assignment: every one was made)
+            taken = work.handed_over
+            break
+        fxsplit.stage_backward_weight(params, work)
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        k += 1
+    assert k == len(taken) >= 2, "the stage should take several gradients as they are"
