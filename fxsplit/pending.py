@@ -732,7 +732,8 @@ class PendingWeightGrads(Sequence[ParamGroup]):
 
     @property
     def committed(self) -> int:
-        """How many weights an interrupted W already accumulated (0 before W, and after a complete W)."""
+        """How many weights an interrupted W already committed into ``.grad`` (accumulated, or set to
+        their gradient where ``.grad`` was empty; 0 before W, and after a complete W)."""
         return len(self._committed)
 
     def _held_tensors(self) -> list[torch.Tensor]:
@@ -823,7 +824,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             f"{self.unreached} with no gradient from these outputs"
         )
         if self._committed:
-            lines.append(f"an interrupted W already accumulated {len(self._committed)} weight(s); W finishes the rest")
+            lines.append(f"an interrupted W already committed {len(self._committed)} weight(s); W finishes the rest")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -875,7 +876,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         return shown + (f" and {len(positions) - 8} more" if len(positions) > 8 else "")
 
     def _interrupted_note(self) -> str:
-        done = f"fxsplit: W was interrupted after accumulating {len(self._committed)} of {len(self._weights)} weight(s)"
+        done = f"fxsplit: W was interrupted after committing {len(self._committed)} of {len(self._weights)} weight(s)"
         if self._unknown:
             return (
                 f"{done}; whether the gradients of {self._describe(self._unknown)} were added into .grad "

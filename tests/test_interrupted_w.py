@@ -266,7 +266,8 @@ def test_w_interrupted_between_two_gradients_it_takes_then_repeated(monkeypatch:
         monkeypatch.setattr(pending, "setattr", assign, raising=False)
         try:
             fxsplit.stage_backward_weight(params, work)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            assert f"interrupted after committing {k} of {len(params)} weight(s)" in "".join(getattr(e, "__notes__", []))
             for p, q in zip(params, ref.parameters()):
                 if p.grad is not None:  # untouched or final
                     torch.testing.assert_close(p.grad, q.grad)
