@@ -256,6 +256,36 @@ def _with_ordinary_copies(model: nn.Module) -> tuple[Any, nn.Module, Any, nn.Mod
     return torch.compile(model, backend=backend), ref, torch.compile(ref, backend=backend), eager
 
 
+def _b_w_and_ordinary(fn: Any, ref_fn: Any, eager: nn.Module, model: nn.Module, ins: list[torch.Tensor],
+                      dy: torch.Tensor) -> tuple[torch.Tensor, type]:
+    """One microbatch three ways: B then W on ``ins[0]`` through ``fn`` (every
+    parameter of ``model`` given), ordinary backward on ``ins[1]`` through the
+    compiled copy and on ``ins[2]`` through the uncompiled one. Returns B's
+    input gradient and the class of the output's node (its region's)."""
+    params = list(model.parameters())
+    out = fn(ins[0])
+    region_class = type(out.grad_fn)
+    (g,), work = fxsplit.stage_backward_input([out], [dy], [ins[0]], params)
+    fxsplit.stage_backward_weight(params, work)
+    ref_fn(ins[1]).backward(dy)
+    eager(ins[2]).backward(dy)
+    return g, region_class
+
+
+def _assert_as_the_copies(g: torch.Tensor, leaves: list[torch.Tensor], model: nn.Module, ref: nn.Module,
+                          eager: nn.Module) -> None:
+    """B's input gradient ``g`` against the copies' (``leaves[1]``, ``leaves[2]``)
+    and every ``.grad`` of ``model`` against theirs (the uncompiled copy within
+    a float tolerance)."""
+    for k, other in ((1, ref), (2, eager)):
+        tol = {} if other is ref else {"rtol": 2e-5, "atol": 1e-5}
+        torch.testing.assert_close(g, leaves[k].grad, **tol)
+        for (name, p), q in zip(model.named_parameters(), other.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("shape", ["one_region", "two_regions", "first_stage", "non_leaf_input"])
 def test_b_plans_once_then_replays_and_every_guard_miss_plans_again(shape: str, monkeypatch: Any) -> None:
     """B plans a stage of compiled regions once (``plan_eager_weight_work``); later
@@ -401,18 +431,9 @@ def test_a_change_below_the_outputs_region_plans_again(change: str, monkeypatch:
         x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)
         leaves = [x.clone().requires_grad_() for _ in range(3)]
         ins = [t * 1.0 for t in leaves] if after and change == "input_no_longer_a_leaf" else leaves
-        out = fn(ins[0])
-        top_classes.add(type(out.grad_fn))
-        params = list(model.parameters())
-        (g,), work = fxsplit.stage_backward_input([out], [dy], [ins[0]], params)
-        fxsplit.stage_backward_weight(params, work)
-        ref_fn(ins[1]).backward(dy)
-        eager(ins[2]).backward(dy)
-        for k, other in ((1, ref), (2, eager)):
-            tol = {} if other is ref else {"rtol": 2e-5, "atol": 1e-5}
-            torch.testing.assert_close(g, leaves[k].grad, **tol)  # (ins[k] = leaves[k] * 1.0: the same gradient)
-            for p, q in zip(model.parameters(), other.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, **tol)
+        g, top_class = _b_w_and_ordinary(fn, ref_fn, eager, model, ins, dy)
+        top_classes.add(top_class)
+        _assert_as_the_copies(g, leaves, model, ref, eager)  # (ins[k] = leaves[k] * 1.0: the same gradient)
 
     with fxsplit.config.patch(direct_b=True):
         for _ in range(3):
@@ -520,7 +541,6 @@ def test_the_kept_plans_are_bounded_and_an_evicted_one_is_made_again() -> None:
     fn, ref, ref_fn, eager = _with_ordinary_copies(model)
     copies = (model, ref, eager)
     first = [m.a.weight for m in copies]
-    names = [name for name, _ in model.named_parameters()]
 
     def microbatch(empty: int = 0) -> list[Any]:
         for m in copies:  # the .grad of parameter k emptied where bit k of ``empty`` is set
@@ -529,20 +549,8 @@ def test_the_kept_plans_are_bounded_and_an_evicted_one_is_made_again() -> None:
                     p.grad = None
         x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)
         xs = [x.clone().requires_grad_() for _ in range(3)]
-        out = fn(xs[0])
-        region_class = type(out.grad_fn)
-        params = list(model.parameters())
-        (g,), work = fxsplit.stage_backward_input([out], [dy], [xs[0]], params)
-        fxsplit.stage_backward_weight(params, work)
-        ref_fn(xs[1]).backward(dy)
-        eager(xs[2]).backward(dy)
-        for k, other in ((1, ref), (2, eager)):
-            tol = {} if other is ref else {"rtol": 2e-5, "atol": 1e-5}
-            torch.testing.assert_close(g, xs[k].grad, **tol)
-            for name, p, q in zip(names, model.parameters(), other.parameters()):
-                assert (p.grad is None) == (q.grad is None), name
-                if p.grad is not None:
-                    torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{name}: {m}")
+        g, region_class = _b_w_and_ordinary(fn, ref_fn, eager, model, xs, dy)
+        _assert_as_the_copies(g, xs, model, ref, eager)
         shapes = region_class.__dict__[stage_plan._PLANS_ATTR]
         assert len(shapes) <= stage_plan.MAX_PLANS_PER_REGION
         assert all(len(s.fields["commit_plans"]) <= pending.MAX_COMMIT_PLANS for s in shapes)
