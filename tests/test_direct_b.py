@@ -444,9 +444,10 @@ def test_b_calls_the_region_itself_where_dI_returns_another_layout(distort: Call
     """Inductor may return an input gradient in any layout that holds its
     values: the direct call hands B's caller what the engine path does (the
     boundary guard conforms its shape and dtype to the input's; strides pass
-    as they are, to the engine too), and W's gradients are ordinary backward's."""
+    as they are, to the engine too), and the gradients are ordinary backward's
+    on identical copies, compiled and uncompiled."""
     model, x, g = _stage()
-    engine, ordinary = copy.deepcopy(model), copy.deepcopy(model)
+    engine, ordinary, eager = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     fn, engine_fn, ref_fn = _compiled(model), _compiled(engine), _compiled(ordinary)
     regions = [_region_of(f, x) for f in (fn, engine_fn)]
     for region in regions:
@@ -463,11 +464,14 @@ def test_b_calls_the_region_itself_where_dI_returns_another_layout(distort: Call
         with fxsplit.config.patch(direct_b=False):
             engine_dx = _split_step(engine, engine_fn, x + step, g)
         ref_dx = _ordinary_step(ordinary, ref_fn, x + step, g)
+        eager_dx = _ordinary_step(eager, eager, x + step, g)  # uncompiled
         assert (dx.shape, dx.dtype) == (x.shape, x.dtype) and dx.stride() == engine_dx.stride()
         assert torch.equal(dx, engine_dx)
         torch.testing.assert_close(dx, ref_dx)
+        torch.testing.assert_close(dx, eager_dx)
         _assert_same(model, engine, bitwise=True)
         _assert_same(model, ordinary)
+        _assert_same(model, eager)
     assert [r.direct_b_runs for r in regions] == [2, 0]
 
 

@@ -237,21 +237,24 @@ def test_w_interrupted_between_two_gradients_it_takes_then_repeated(monkeypatch:
     the test above cannot interrupt it). Interrupted before the k-th
     assignment (``KeyboardInterrupt`` from the assignment), every weight's
     ``.grad`` is either untouched or final, W called again finishes exactly
-    the rest, and the gradients are ordinary backward's on an identical copy."""
+    the rest, and the gradients are ordinary backward's on identical copies,
+    compiled the same way and uncompiled."""
     from fxsplit import pending
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
-    ref = copy.deepcopy(model)
-    fn = torch.compile(model, backend=fxsplit.backend(compiler="eager", fallback="error"))
+    ref, ordinary = copy.deepcopy(model), copy.deepcopy(model)  # (uncompiled; compiled as the split copy)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    fn, ordinary_fn = torch.compile(model, backend=backend), torch.compile(ordinary, backend=backend)
     params = list(model.parameters())
     taken: list[int] = []
     k = 0
     while True:
-        for p in (*params, *ref.parameters()):
+        for p in (*params, *ref.parameters(), *ordinary.parameters()):
             p.grad = None
         x, g = torch.randn(4, 8), torch.randn(4, 8)
         ref(x.clone().requires_grad_()).backward(g)
+        ordinary_fn(x.clone().requires_grad_()).backward(g)
         xi = x.clone().requires_grad_()
         _, work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], params)
         calls = []
@@ -274,11 +277,14 @@ def test_w_interrupted_between_two_gradients_it_takes_then_repeated(monkeypatch:
             assert sum(p.grad is not None for p in params) == k == len(work.handed_over)
         finally:
             monkeypatch.undo()
-        if work.done:  # (no k-th assignment: every one was made)
+        finished = work.done  # (no k-th assignment: every one was made)
+        if not finished:
+            fxsplit.stage_backward_weight(params, work)
+        for other in (ref, ordinary):
+            for p, q in zip(params, other.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+        if finished:
             taken = work.handed_over
             break
-        fxsplit.stage_backward_weight(params, work)
-        for p, q in zip(params, ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad)
         k += 1
     assert k == len(taken) >= 2, "the stage should take several gradients as they are"
