@@ -309,7 +309,7 @@ def stage_backward_input(
     call, saved, results = _run_b(plan, outs, nodes, grads, xs, weights)
     dinputs = _into_inputs(needed, xs, results)
     del results
-    work = _record_b(plan, weights, call, saved, outs, out_edges, grads)
+    work = _record_b(plan, call, saved, outs, out_edges, grads)
     work.timings["b_ns"] = time.perf_counter_ns() - t0
     return dinputs, work
 
@@ -362,16 +362,16 @@ def _checked_call(
 def _run_b(
     plan: EagerWeightPlan, outs: list[Output], nodes: list[Node] | None, grads: list[torch.Tensor],
     xs: list[torch.Tensor], weights: list[torch.Tensor],
-) -> tuple[InputCall, list[tuple[torch.Tensor | None, ...] | None], Sequence[torch.Tensor | None]]:
+) -> tuple[PendingWeightGrads, list[tuple[torch.Tensor | None, ...] | None], Sequence[torch.Tensor | None]]:
     """B's autograd call, as ``plan`` says: the regions it runs record their W
-    work in the returned call, the gradients flowing into the intermediates are
+    work in the returned call (the W work, to complete: :func:`_record_b`), the gradients flowing into the intermediates are
     saved for W, and the input gradients (one per ``xs``) are returned.
     ``nodes``: the outputs' nodes where all are plain tensors (else ``None``)."""
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
     # the node), and the hooks are removed before B returns.
     retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
-    call = InputCall(weights, plan, retain)
+    call = PendingWeightGrads(weights, plan, retain)
     saved: list[tuple[torch.Tensor | None, ...] | None] = []
     handles: list[Any] = []
     if retain or plan.once:  # (general plans only: a stage of compiled regions has neither)
@@ -426,14 +426,14 @@ def _reach_targets(
 
 
 def _record_b(
-    plan: EagerWeightPlan, weights: list[torch.Tensor], call: InputCall,
+    plan: EagerWeightPlan, work: PendingWeightGrads,
     saved: list[tuple[torch.Tensor | None, ...] | None], outs: list[Output], out_edges: list[Any],
     grads: list[torch.Tensor],
 ) -> PendingWeightGrads:
-    """What B leaves for W, and the outputs marked as B's (detached in place where they may be)."""
-    work = PendingWeightGrads.from_b(weights, plan, saved, call.records, call.deferred, out_edges, grads)
-    work.timings["b_graph_ns"] = call.timings.get("b_graph_ns", 0)
-    if call.release_saved:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
+    """What B leaves for W (``work``, which B's call filled, completed), and the
+    outputs marked as B's (detached in place where they may be)."""
+    work.hand_over(saved, out_edges, grads)
+    if work.release_saved:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
         anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]
         if anchors:
             # The anchors keep the graph above the intermediates alive too, which
@@ -463,7 +463,7 @@ def _record_b(
 def _keep_outputs(nodes: Sequence[Any], into: list[DeferredGrad], handles: list[Any]) -> None:
     """Hooks keeping, for W, what each of ``nodes`` produces along its edges when B
     runs it: nodes that compute every edge's gradient in one call run once
-    (``EagerWeightPlan.once``); ``PendingWeightGrads.from_b`` keeps the W-side ones."""
+    (``EagerWeightPlan.once``); ``PendingWeightGrads.hand_over`` keeps the W-side ones."""
     for node in nodes:
 
         def keep(grads: tuple[torch.Tensor | None, ...], _: Any, node: Any = node) -> None:

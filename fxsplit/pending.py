@@ -67,7 +67,7 @@ from torch.autograd.graph import GradientEdge, Node
 from fxsplit import _torch_internals as ti
 from fxsplit import config
 from fxsplit.stage_plan import EagerWeightPlan
-from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, DeferredGrad, Gradients, registered
+from fxsplit.runtime import SPLIT_DONE, CompiledWeightWork, Gradients, InputCall, registered
 
 __all__ = [
     "CommitPlan", "EagerGroup", "PendingWeightGrads", "WeightCommit", "accumulates_like_autograd",
@@ -583,7 +583,7 @@ class ParamGroup(Mapping[str, Any]):
         return f"ParamGroup({kind}, {len(self._accumulators)} weight(s))"
 
 
-class PendingWeightGrads(Sequence[ParamGroup]):
+class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
     """The W work B leaves for one microbatch of one stage.
 
     Returned by :func:`fxsplit.stage_backward_input` in the place of
@@ -613,29 +613,27 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     _unknown: Sequence[int] = ()
     # What keeps the graph W re-runs alive on torch 2.11 (anchor).
     _anchors: Sequence[Any] = ()
+    # The eager groups (see hand_over); what accumulated_in_graph and
+    # handed_over list.
+    groups: Sequence[EagerGroup] = ()
+    _accumulated_at: tuple[int, ...] = ()
+    _handed_over_at: tuple[int, ...] = ()
     done = False
 
-    def __init__(
-        self,
-        weights: Sequence[torch.Tensor],
-        compiled: list[CompiledWeightWork],
-        groups: list[EagerGroup],
-        split_regions: Sequence[Any] = (),
-        unreached: int = 0,
-        rerun: Sequence[Node] = (),
-        kept: list[tuple[Any, Any, CommitPlan]] | None = None,
-    ) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor], plan: EagerWeightPlan, release_saved: bool = False) -> None:
+        """Made by B as its call starts (an :class:`~fxsplit.runtime.InputCall`:
+        the regions it runs record their W work here), completed by
+        :meth:`hand_over` where the plan has eager groups."""
         self._weights = tuple(weights)
-        self.compiled = compiled
-        self.groups = groups
+        self.plan = plan  # (B's; dropped by hand_over, with the nodes it holds)
+        self.compiled = []
+        self.deferred = []
         # The stage's kept commit plans (see _commit_plan; None: plan every W);
         # the B-set nodes W's eager calls run again: their saved tensors are
         # held for W (every other node B ran has freed its own).
-        self._kept: list[tuple[Any, Any, CommitPlan]] | None = kept
-        self._rerun: Sequence[Node] = rerun
-        self.unreached = unreached
-        if groups:
-            self._split_regions = [weakref.ref(n) for n in split_regions]
+        self._kept: list[tuple[Any, Any, CommitPlan]] | None = plan.commit_plans
+        self._rerun: Sequence[Node] = plan.rerun
+        self.unreached = plan.unreached
         self._committed: set[int] = set()
         self._lock = threading.Lock()
         # Nanoseconds, for the benchmark: B's total and the part inside the
@@ -643,33 +641,28 @@ class PendingWeightGrads(Sequence[ParamGroup]):
         # part inside dW graphs and the part in the commit's autograd calls.
         # Time outside the graphs = total - graph.
         self.timings = {"b_ns": 0, "b_graph_ns": 0, "w_ns": 0, "w_graph_ns": 0, "w_commit_ns": 0}
-        # Positions (in ``weights``) of the weights W accumulated into .grad
-        # inside a dW graph rather than through autograd (for inspection).
-        self.accumulated_in_graph: list[int] = []
-        # Positions of the weights whose empty .grad W set to the dW graph's
-        # gradient itself, as autograd would, without an engine call.
-        self.handed_over: list[int] = []
+        if release_saved:
+            self.release_saved = True
 
-    @classmethod
-    def from_b(
-        cls,
-        weights: Sequence[torch.Tensor],
-        plan: EagerWeightPlan,
+    def hand_over(
+        self,
         saved: Sequence[tuple[torch.Tensor | None, ...] | None],
-        records: list[CompiledWeightWork],
-        deferred: Sequence[DeferredGrad],
         out_edges: Sequence[GradientEdge],
         out_grads: Sequence[torch.Tensor],
-    ) -> PendingWeightGrads:
-        """Assemble B's results. Hand-over values that no given weight needs are dropped here."""
-        if not plan.groups:  # no eager W work (a stage of compiled regions only): nothing handed over is needed
-            return cls(weights, records, [], plan.split_regions, plan.unreached, plan.rerun, plan.commit_plans)
+    ) -> None:
+        """B's end: the plan's eager groups made from what B saved and handed
+        over (values that no given weight needs are dropped here), and the plan
+        let go of. A stage of compiled regions only has no group."""
+        plan, self.plan = self.plan, None
+        if not plan.groups:
+            return
         region_index = {n: k for k, n in enumerate(plan.region_starts)}
         handed: dict[int, list[tuple[GradientEdge, torch.Tensor]]] = {}
-        for d in deferred:
+        for d in self.deferred:
             k = region_index.get(d.region_node)
             if k is not None and d.node in plan.w_side:
                 handed.setdefault(k, []).append((GradientEdge(d.node, d.input_nr), d.value))
+        self.deferred = []
         groups = []
         once = set(plan.once)
         for g in plan.groups:
@@ -689,7 +682,9 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     edge_kinds=kinds,
                 )
             )
-        return cls(weights, records, groups, plan.split_regions, plan.unreached, list(plan.rerun), plan.commit_plans)
+        self.groups = groups
+        self._rerun = list(plan.rerun)
+        self._split_regions = [weakref.ref(n) for n in plan.split_regions]
 
     def anchor(self, anchors: Iterable[Any]) -> None:
         """Keep these objects (``_torch_internals.graph_anchor``: what keeps the
@@ -714,6 +709,18 @@ class PendingWeightGrads(Sequence[ParamGroup]):
     @property
     def pending(self) -> bool:
         return not self.done
+
+    @property
+    def accumulated_in_graph(self) -> list[int]:
+        """Positions (in ``weights``) of the weights W accumulated into ``.grad``
+        inside a dW graph rather than through autograd."""
+        return list(self._accumulated_at)
+
+    @property
+    def handed_over(self) -> list[int]:
+        """Positions (in ``weights``) of the weights whose empty ``.grad`` W set
+        to the dW graph's gradient itself, as autograd would, without an engine call."""
+        return list(self._handed_over_at)
 
     @property
     def weights(self) -> tuple[torch.Tensor, ...]:
@@ -894,7 +901,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
             state = ledger.state(g)
             if state == "written":
                 self._committed.add(id(p))
-                self.accumulated_in_graph.append(position[id(p)])
+                self._accumulated_at += (position[id(p)],)
                 written.append(g)
             elif state == "unknown":
                 self._unknown = [*self._unknown, position[id(p)]]
@@ -988,7 +995,7 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                     self._settle_interrupted(fused, grads, ledger, plan.position)
                     raise
             self._committed.update(map(id, fused))
-            self.accumulated_in_graph.extend(map(plan.position.__getitem__, map(id, fused)))
+            self._accumulated_at += tuple(map(plan.position.__getitem__, map(id, fused)))
         direct = self._takes(plan, results) if plan.take else ([], [])
         return (self._engine_commits(results, plan.wanted) if self.groups or any(map(_third, results)) else []), direct
 
@@ -1100,13 +1107,13 @@ class PendingWeightGrads(Sequence[ParamGroup]):
                 weights = [w for w, g in zip(weights, grads) if w.grad is g]
             grads.clear()  # (W keeps no reference to a gradient it handed over)
             self._committed.update(map(id, weights))
-            self.handed_over.extend(map(position.__getitem__, map(id, weights)))
+            self._handed_over_at += tuple(map(position.__getitem__, map(id, weights)))
 
     def _release(self) -> None:
         for record in self.compiled:
             record.release()
         self.done = True
         self.compiled = []
-        self.groups = []
+        self.groups = ()
         self._split_regions = self._rerun = self._anchors = ()
         self._committed = set()

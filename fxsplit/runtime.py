@@ -88,11 +88,15 @@ class DeferredGrad:
 
 
 class InputCall:
-    """One B autograd call: what the regions it runs record for W.
+    """One B autograd call, as the regions it runs see it: where they record
+    their W work. :class:`fxsplit.pending.PendingWeightGrads` is one: B's call
+    builds the W work it returns, so nothing is copied from one to the other.
 
     ``weight_ids`` are the ``id``s of the weights given to B; a region keeps
-    dW gradients for those only. ``records`` and ``deferred`` fill up while
-    the call runs (appends are atomic, so several engine threads may add).
+    dW gradients for those only. ``compiled`` (one
+    :class:`CompiledWeightWork` per region run) and ``deferred`` fill up while
+    the call runs (appends are atomic, so several engine threads may add);
+    ``timings["b_graph_ns"]`` sums the time inside the dI graphs it ran.
 
     ``plan``: B's :class:`~fxsplit.stage_plan.EagerWeightPlan`, read as it
     is: ``region_params`` (per region node, the given parameter behind each of
@@ -113,20 +117,16 @@ class InputCall:
     each one after its last use.
     """
 
+    # Set by the implementation (PendingWeightGrads.__init__):
+    _weights: Sequence[Any]
+    plan: Any
+    compiled: list[CompiledWeightWork]
+    deferred: list[DeferredGrad]
+    timings: dict[str, int]
     # What a stage of compiled regions only needs, unless B says otherwise.
     release_saved = False
     release_first = False
     _weight_ids: frozenset[int] | None = None
-
-    def __init__(self, weights: Sequence[Any], plan: Any, release_saved: bool = False) -> None:
-        self._weights = weights
-        self.plan = plan
-        self.records: list[CompiledWeightWork] = []
-        self.deferred: list[DeferredGrad] = []
-        # Time inside the dI graphs this call ran ("b_graph_ns").
-        self.timings: dict[str, int] = {}
-        if release_saved:
-            self.release_saved = True
 
     @property
     def weight_ids(self) -> frozenset[int]:
@@ -336,8 +336,8 @@ def run_directly(node: Any, grads: dict[int, torch.Tensor], call: InputCall | No
         setattr(node, _CALL_ATTR, call)
     ti.set_grad_enabled(False)  # (as the engine runs a backward that does not create a graph)
     try:
-        b_call = call or held  # (B's: an InputCall; SPLIT_DONE and None take route_backward's way)
-        known = type(node).__dict__.get(_AOT_CALL) if type(b_call) is InputCall and config.skip_aot_wrapper else None
+        b_call = call if call is not None else held  # (B's: an InputCall; SPLIT_DONE and None take route_backward's way)
+        known = type(node).__dict__.get(_AOT_CALL) if isinstance(b_call, InputCall) and config.skip_aot_wrapper else None
         results = known.run(b_call, node, grads) if known is not None else None
         return results if results is not None else route_backward(node, grads, _outside_engine, (grads,))
     finally:
@@ -1102,7 +1102,7 @@ class CompiledSplitBackward(CompiledGraphs):
             if edges is None:
                 edges = node.next_functions
             params, accumulators = self._params_of(edges, call.weight_ids)
-        call.records.append(CompiledWeightWork(self, live, params, accumulators, slot, ti.storage_ptrs(di_vals)))
+        call.compiled.append(CompiledWeightWork(self, live, params, accumulators, slot, ti.storage_ptrs(di_vals)))
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
