@@ -364,14 +364,38 @@ def _run_b(
     xs: list[torch.Tensor], weights: list[torch.Tensor],
 ) -> tuple[PendingWeightGrads, list[tuple[torch.Tensor | None, ...] | None], Sequence[torch.Tensor | None]]:
     """B's autograd call, as ``plan`` says: the regions it runs record their W
-    work in the returned call (the W work, to complete: :func:`_record_b`), the gradients flowing into the intermediates are
-    saved for W, and the input gradients (one per ``xs``) are returned.
+    work in the returned call (the W work, to complete: :func:`_record_b`),
+    the gradients flowing into the intermediates are saved for W, and the
+    input gradients (one per ``xs``) are returned.
     ``nodes``: the outputs' nodes where all are plain tensors (else ``None``)."""
+    retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
+    call = PendingWeightGrads(weights, plan, retain)
+    try:
+        if not outs or not (xs or plan.captures):  # (nothing for B to run: W runs the eager groups)
+            return call, [None] * len(plan.intermediates), ()
+        direct = None if retain or plan.captures else _direct_call(plan, outs, nodes, grads, xs)
+        if direct is not None:  # (the node is registered for its call only)
+            call.release_first = True
+            return call, [], _run_direct(*direct, xs, call)
+        saved, results = _run_through_engine(plan, call, outs, grads, xs, retain)
+        return call, saved, results
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise RuntimeError(f"fxsplit: stage_backward_input failed: {e}") from e
+
+
+def _run_through_engine(
+    plan: EagerWeightPlan, call: PendingWeightGrads, outs: list[Output], grads: list[torch.Tensor],
+    xs: list[torch.Tensor], retain: bool,
+) -> tuple[list[tuple[torch.Tensor | None, ...] | None], Sequence[torch.Tensor | None]]:
+    """:func:`_run_b` through autograd's engine, with ``plan``'s regions
+    registered for ``call``: the gradients saved for W (one per intermediate)
+    and those of ``xs``. ``retain``: the plan has intermediates, whose nodes W
+    runs again, so the graph is kept."""
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
     # the node), and the hooks are removed before B returns.
-    retain = bool(plan.intermediates)  # W re-runs eager nodes: only then is the graph kept
-    call = PendingWeightGrads(weights, plan, retain)
     saved: list[tuple[torch.Tensor | None, ...] | None] = []
     handles: list[Any] = []
     if retain or plan.once:  # (general plans only: a stage of compiled regions has neither)
@@ -379,31 +403,19 @@ def _run_b(
         handles = [node.register_prehook(functools.partial(_save_into, saved, k))
                    for k, node in enumerate(plan.intermediates)]
         _keep_outputs(plan.once, call.deferred, handles)
-    captures = plan.captures
     try:
-        if not outs or not (xs or captures):
-            return call, saved, ()
-        direct = None if retain or captures else _direct_call(plan, outs, nodes, grads, xs)
-        if direct is not None:  # (the node is registered for its call only)
-            call.release_first = True
-            results = _run_direct(*direct, xs, call)
-        else:
-            with registered(plan.split_regions, call):
-                results = _reach_targets(plan, outs, grads, xs, retain)
-                if captures:
-                    _run_bottom_regions(plan, results[len(xs):])
+        with registered(plan.split_regions, call):
+            results = _reach_targets(plan, outs, grads, xs, retain)
+            if plan.captures:
+                _run_bottom_regions(plan, results[len(xs):])
         # The graph is retained for the nodes W re-runs; free what the
         # nodes below the intermediates that only B needed saved.
         for node in plan.release:
             ti.release_saved_tensors(node)
-    except NotImplementedError:
-        raise
-    except Exception as e:
-        raise RuntimeError(f"fxsplit: stage_backward_input failed: {e}") from e
     finally:
         for h in handles:
             h.remove()
-    return call, saved, results[:len(xs)]
+    return saved, results[:len(xs)]
 
 
 def _save_into(saved: list[Any], k: int, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
