@@ -375,7 +375,7 @@ def _run_b(
             return call, [None] * len(plan.intermediates), ()
         direct = None if retain or plan.captures else _direct_call(plan, outs, nodes, grads, xs)
         if direct is not None:  # (the node is registered for its call only)
-            call.release_first = True
+            call.release_first = call.direct = True
             return call, [], _run_direct(*direct, xs, call)
         saved, results = _run_through_engine(plan, call, outs, grads, xs, retain)
         return call, saved, results
@@ -407,7 +407,7 @@ def _run_through_engine(
         with registered(plan.split_regions, call):
             results = _reach_targets(plan, outs, grads, xs, retain)
             if plan.captures:
-                _run_bottom_regions(plan, results[len(xs):])
+                _run_bottom_regions(plan, call, results[len(xs):])
         # The graph is retained for the nodes W re-runs; free what the
         # nodes below the intermediates that only B needed saved.
         for node in plan.release:
@@ -568,19 +568,20 @@ def _run_direct(
     return picked
 
 
-def _run_bottom_regions(plan: EagerWeightPlan, captured: Sequence[torch.Tensor | None]) -> None:
-    """A first stage's B, second half: each bottom region's dI graph on the
-    gradients B's autograd call captured flowing into it; its saved
-    activations are freed after (the engine would have, had it run it),
-    unless W's eager calls pass through it."""
+def _run_bottom_regions(plan: EagerWeightPlan, call: PendingWeightGrads, captured: Sequence[torch.Tensor | None]) -> None:
+    """A first stage's B, second half: each bottom region's dI graph, called
+    by B itself (``call`` registered), on the gradients B's autograd call
+    captured flowing into it. Unless W's eager calls pass through it, it frees
+    the activations it saved before its dI graph runs, so that dI frees each
+    after its last use, as AOTAutograd does under an engine call that keeps
+    no graph (:attr:`fxsplit.runtime.InputCall.release_first`)."""
     grads: dict[Any, dict[int, torch.Tensor]] = {n: {} for n in plan.bottom_regions}
     for edge, g in zip(plan.captures, captured):
         if g is not None:
             grads[edge.node][edge.output_nr] = g
     for node in plan.bottom_regions:
+        call.release_first = node not in plan.rerun
         run_directly(node, grads.pop(node))
-        if node not in plan.rerun:
-            ti.release_region_saved(node)
 
 
 def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> PendingWeightGrads:

@@ -110,11 +110,13 @@ class InputCall:
     its dI graph has run, unless its node is in ``plan.rerun``. Without a
     retained graph the engine frees them.
     ``release_first``: B calls the region's node itself, outside the engine
-    (:func:`run_directly`), with the graph not retained: the region frees
-    the activations it saved before its dI graph runs, as AOTAutograd does
-    under an engine call that does not keep the graph (its own check reads
-    the engine's graph task, which a direct call has not), so that dI frees
-    each one after its last use.
+    (:func:`run_directly`), and nothing W runs passes through it: the region
+    frees the activations it saved before its dI graph runs, as AOTAutograd
+    does under an engine call that does not keep the graph (its own check
+    reads the engine's graph task, which a direct call has not), so that dI
+    frees each one after its last use. ``direct``: that call is
+    :data:`fxsplit.config.direct_b`'s (counted in ``direct_b_runs``); a
+    first stage's bottom regions are called so too, on captured gradients.
     """
 
     # Set by the implementation (PendingWeightGrads.__init__):
@@ -126,6 +128,7 @@ class InputCall:
     # What a stage of compiled regions only needs, unless B says otherwise.
     release_saved = False
     release_first = False
+    direct = False
     _weight_ids: frozenset[int] | None = None
 
     @property
@@ -1061,7 +1064,7 @@ class CompiledSplitBackward(CompiledGraphs):
             self._subclass_grads = ti.SubclassGradients.of(node)
         if call.release_first:
             ti.release_region_saved(node)  # ``args`` holds them now: dI frees each after its last use
-            self.direct_b_runs += 1
+            self.direct_b_runs += call.direct
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
         try:
@@ -1085,7 +1088,7 @@ class CompiledSplitBackward(CompiledGraphs):
         outputs B hands on. ``edges``: the node's ``next_functions``, or ``None``
         where the plan read them as ``children`` (their nodes) and found the
         parameters (``call.plan.region_params``)."""
-        if call.release_saved and node not in call.plan.rerun:
+        if call.release_saved and not call.release_first and node not in call.plan.rerun:
             # Only B needed them (W runs the dW graph on the live-ins), but the
             # retained graph would keep them until W: free them now.
             ti.release_region_saved(node)

@@ -25,8 +25,9 @@ Terms used below, for one stage:
   stage inputs. B's autograd call captures the gradients flowing into them,
   which runs every other region's dI graph and the eager code above the
   regions (only the outputs on the way down, as for any stage); then B runs
-  each bottom region's dI graph itself, on the captured gradients
-  (:func:`fxsplit._torch_internals.run_node_outside_engine`): below a bottom
+  each bottom region's dI graph itself, on the captured gradients, the
+  region having let go of its saved activations first (unless W re-runs it),
+  as under an engine call that keeps no graph: below a bottom
   region there is nothing to capture but grad accumulators, and capturing
   there would call the weights' tensor hooks in B. So every compiled
   region runs its activation-gradient chain at B and only its

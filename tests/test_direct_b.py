@@ -490,3 +490,69 @@ def test_b_calls_the_region_itself_and_refuses_an_input_changed_after_the_forwar
     with pytest.raises(RuntimeError, match=r"the gradient of a stage input is \(4, 8\).*the input \(2, 8\)"):
         fxsplit.stage_backward_input([out], [g], [xi], params)
     assert xi.grad is None and all(p.grad is None for p in params)
+
+
+def _holds_saved(node: Any) -> bool:
+    """Whether an autograd node still holds the activations it saved."""
+    try:
+        node.saved_tensors
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("direct_b", [True, False], ids=["direct_b", "engine"])
+@pytest.mark.parametrize("first_stage", [False, True], ids=["middle", "first"])
+def test_the_region_lets_go_of_its_saved_activations_before_its_backward_graph_runs(
+    first_stage: bool, direct_b: bool
+) -> None:
+    """Under an engine call that keeps no graph, AOTAutograd clears the
+    region's node's saved activations before the compiled backward runs, so
+    that the graph frees each after its last use. B's dI graph starts with
+    the node holding none either: where B calls the node itself (the direct
+    call; a first stage's region, on the captured output gradient) as where
+    the engine calls it. The gradients are ordinary backward's on identical
+    copies, compiled and uncompiled."""
+    model, x, g = _stage()
+    ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
+    fn, ref_fn = _compiled(model), _compiled(ordinary)
+    regions = []
+    for f in (fn, ref_fn):  # (each compiled for the stage's input: one needing no gradient is another graph)
+        before = fxsplit.compiled_regions()
+        f(x.detach().requires_grad_(not first_stage))
+        regions += new_regions(before)
+    assert len(regions) == 2
+    nodes: list[Any] = []
+    held: dict[str, list[bool]] = {"dI": [], "fused": []}
+    for region in regions:
+        region.prepare_split()
+        for kind, attr in (("dI", "_run_di"), ("fused", "_run_fused")):
+            real = getattr(region, attr)
+
+            def watched(args: list[Any], real: Any = real, kind: str = kind) -> Any:
+                held[kind].append(_holds_saved(nodes[-1]))
+                return real(args)
+
+            setattr(region, attr, watched)
+    with fxsplit.config.patch(direct_b=direct_b):
+        for step in range(3):
+            for m in (model, ordinary, eager):
+                m.zero_grad(set_to_none=True)
+            xi, ri, ei = (x + step).detach(), (x + step).detach(), (x + step).detach()
+            if not first_stage:
+                xi.requires_grad_(), ri.requires_grad_(), ei.requires_grad_()
+            out = fn(xi)
+            nodes.append(out.grad_fn)
+            dxs, work = fxsplit.stage_backward_input([out], [g], [xi], list(model.parameters()))
+            fxsplit.stage_backward_weight(list(model.parameters()), work)
+            ref = ref_fn(ri)
+            nodes.append(ref.grad_fn)
+            ref.backward(g)
+            eager(ei).backward(g)
+            if not first_stage:
+                torch.testing.assert_close(dxs[0], ri.grad)
+                torch.testing.assert_close(dxs[0], ei.grad)
+            _assert_same(model, ordinary)
+            _assert_same(model, eager)
+    assert held == {"dI": [False] * 3, "fused": [False] * 3}, held
+    assert regions[0].direct_b_runs == (3 if direct_b and not first_stage else 0)
