@@ -445,7 +445,7 @@ def _record_b(
     """What B leaves for W (``work``, which B's call filled, completed), and the
     outputs marked as B's (detached in place where they may be)."""
     work.hand_over(saved, out_edges, grads)
-    if work.release_saved:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
+    if work.retains_graph:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
         anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]
         if anchors:
             # The anchors keep the graph above the intermediates alive too, which
@@ -579,8 +579,8 @@ def _run_bottom_regions(plan: EagerWeightPlan, call: PendingWeightGrads, capture
     for edge, g in zip(plan.captures, captured):
         if g is not None:
             grads[edge.node][edge.output_nr] = g
+    call.release_first = True
     for node in plan.bottom_regions:
-        call.release_first = node not in plan.rerun
         run_directly(node, grads.pop(node))
 
 

@@ -620,7 +620,7 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
     _handed_over_at: tuple[int, ...] = ()
     done = False
 
-    def __init__(self, weights: Sequence[torch.Tensor], plan: EagerWeightPlan, release_saved: bool = False) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor], plan: EagerWeightPlan, retains_graph: bool = False) -> None:
         """Made by B as its call starts (an :class:`~fxsplit.runtime.InputCall`:
         the regions it runs record their W work here), completed by
         :meth:`hand_over` where the plan has eager groups."""
@@ -641,8 +641,8 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         # part inside dW graphs and the part in the commit's autograd calls.
         # Time outside the graphs = total - graph.
         self.timings = {"b_ns": 0, "b_graph_ns": 0, "w_ns": 0, "w_graph_ns": 0, "w_commit_ns": 0}
-        if release_saved:
-            self.release_saved = True
+        if retains_graph:
+            self.retains_graph = self.release_first = True
 
     def hand_over(
         self,

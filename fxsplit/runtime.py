@@ -105,16 +105,16 @@ class InputCall:
     each of their ``next_functions`` as the plan read them), ``region_starts``
     (the region nodes that may hand input gradients to W's eager part) and
     ``rerun`` (the nodes W's eager calls pass through again).
-    ``release_saved``: the call retains the graph (eager code needs W to
-    re-run nodes), so a region frees the activations it saved itself, once
-    its dI graph has run, unless its node is in ``plan.rerun``. Without a
-    retained graph the engine frees them.
-    ``release_first``: B calls the region's node itself, outside the engine
-    (:func:`run_directly`), and nothing W runs passes through it: the region
-    frees the activations it saved before its dI graph runs, as AOTAutograd
-    does under an engine call that does not keep the graph (its own check
-    reads the engine's graph task, which a direct call has not), so that dI
-    frees each one after its last use. ``direct``: that call is
+    ``retains_graph``: the call keeps the graph (eager code needs W to
+    re-run nodes).
+    ``release_first``: the region's node still holds the activations it
+    saved when its backward runs in this call: B calls the node itself
+    (outside the engine: :func:`run_directly`), or the engine call keeps the
+    graph. Then, unless its node is in ``plan.rerun`` (W's eager calls pass
+    through it again), the region lets go of them before its dI graph runs,
+    as AOTAutograd does under an engine call that does not keep the graph
+    (its own check reads the engine's graph task), so that dI frees each
+    after its last use. ``direct``: B's call of the node is
     :data:`fxsplit.config.direct_b`'s (counted in ``direct_b_runs``); a
     first stage's bottom regions are called so too, on captured gradients.
     """
@@ -126,7 +126,7 @@ class InputCall:
     deferred: list[DeferredGrad]
     timings: dict[str, int]
     # What a stage of compiled regions only needs, unless B says otherwise.
-    release_saved = False
+    retains_graph = False
     release_first = False
     direct = False
     _weight_ids: frozenset[int] | None = None
@@ -1062,9 +1062,9 @@ class CompiledSplitBackward(CompiledGraphs):
             self.layout.edges_by_input(node.next_functions, self.name)  # raises, naming the mismatch
         if self._subclass_grads is None and self._has_subclass_inputs:
             self._subclass_grads = ti.SubclassGradients.of(node)
-        if call.release_first:
+        if call.release_first and node not in call.plan.rerun:
             ti.release_region_saved(node)  # ``args`` holds them now: dI frees each after its last use
-            self.direct_b_runs += call.direct
+            self.direct_b_runs += call.direct  # (a direct call's plan re-runs nothing)
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
         try:
@@ -1088,10 +1088,6 @@ class CompiledSplitBackward(CompiledGraphs):
         outputs B hands on. ``edges``: the node's ``next_functions``, or ``None``
         where the plan read them as ``children`` (their nodes) and found the
         parameters (``call.plan.region_params``)."""
-        if call.release_saved and not call.release_first and node not in call.plan.rerun:
-            # Only B needed them (W runs the dW graph on the live-ins), but the
-            # retained graph would keep them until W: free them now.
-            ti.release_region_saved(node)
         found = call.plan.region_params.get(node)
         at = self._weight_edges
         if children is not None and found is not None and self._every_weight_edge and not any(

@@ -501,25 +501,49 @@ def _holds_saved(node: Any) -> bool:
     return True
 
 
+class _EagerBelow(nn.Module):
+    """An eager Linear below a block (compiled on its own unless ``compile``
+    is false): B's engine call keeps the graph for W (the Linear's weight
+    needs the gradient B saves at its output)."""
+
+    def __init__(self, block: nn.Module, compile: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.block = block
+        object.__setattr__(self, "run_block", _compiled(block) if compile else block)  # (not a submodule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run_block(self.lin(x))
+
+
 @pytest.mark.parametrize("direct_b", [True, False], ids=["direct_b", "engine"])
-@pytest.mark.parametrize("first_stage", [False, True], ids=["middle", "first"])
+@pytest.mark.parametrize("stage", ["middle", "first", "eager_below"])
 def test_the_region_lets_go_of_its_saved_activations_before_its_backward_graph_runs(
-    first_stage: bool, direct_b: bool
+    stage: str, direct_b: bool
 ) -> None:
     """Under an engine call that keeps no graph, AOTAutograd clears the
     region's node's saved activations before the compiled backward runs, so
     that the graph frees each after its last use. B's dI graph starts with
     the node holding none either: where B calls the node itself (the direct
-    call; a first stage's region, on the captured output gradient) as where
-    the engine calls it. The gradients are ordinary backward's on identical
-    copies, compiled and uncompiled."""
-    model, x, g = _stage()
-    ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
-    fn, ref_fn = _compiled(model), _compiled(ordinary)
+    call; a first stage's region, on the captured output gradient), where
+    the engine calls it, and where B's engine call keeps the graph for W's
+    eager part. The gradients are ordinary backward's on identical copies,
+    compiled and uncompiled."""
+    block, x, g = _stage()
+    if stage == "eager_below":
+        model = _EagerBelow(copy.deepcopy(block))
+        ordinary = _EagerBelow(copy.deepcopy(block))
+        eager = _EagerBelow(copy.deepcopy(block), compile=False)
+        ordinary.lin.load_state_dict(model.lin.state_dict())
+        eager.lin.load_state_dict(model.lin.state_dict())
+        fn, ref_fn = model, ordinary
+    else:
+        model, ordinary, eager = block, copy.deepcopy(block), copy.deepcopy(block)
+        fn, ref_fn = _compiled(model), _compiled(ordinary)
     regions = []
     for f in (fn, ref_fn):  # (each compiled for the stage's input: one needing no gradient is another graph)
         before = fxsplit.compiled_regions()
-        f(x.detach().requires_grad_(not first_stage))
+        f(x.detach().requires_grad_(stage != "first"))
         regions += new_regions(before)
     assert len(regions) == 2
     nodes: list[Any] = []
@@ -534,25 +558,25 @@ def test_the_region_lets_go_of_its_saved_activations_before_its_backward_graph_r
                 return real(args)
 
             setattr(region, attr, watched)
+    params = list(model.parameters())
     with fxsplit.config.patch(direct_b=direct_b):
         for step in range(3):
             for m in (model, ordinary, eager):
                 m.zero_grad(set_to_none=True)
-            xi, ri, ei = (x + step).detach(), (x + step).detach(), (x + step).detach()
-            if not first_stage:
-                xi.requires_grad_(), ri.requires_grad_(), ei.requires_grad_()
+            xi, ri, ei = ((x + step).detach().requires_grad_(stage != "first") for _ in range(3))
             out = fn(xi)
-            nodes.append(out.grad_fn)
-            dxs, work = fxsplit.stage_backward_input([out], [g], [xi], list(model.parameters()))
-            fxsplit.stage_backward_weight(list(model.parameters()), work)
+            nodes.append(out.grad_fn)  # (the region's: the block's output is the stage's)
+            dxs, work = fxsplit.stage_backward_input([out], [g], [xi], params)
+            assert work.retains_graph == (stage == "eager_below")
+            fxsplit.stage_backward_weight(params, work)
             ref = ref_fn(ri)
             nodes.append(ref.grad_fn)
             ref.backward(g)
             eager(ei).backward(g)
-            if not first_stage:
+            if stage != "first":
                 torch.testing.assert_close(dxs[0], ri.grad)
                 torch.testing.assert_close(dxs[0], ei.grad)
             _assert_same(model, ordinary)
             _assert_same(model, eager)
     assert held == {"dI": [False] * 3, "fused": [False] * 3}, held
-    assert regions[0].direct_b_runs == (3 if direct_b and not first_stage else 0)
+    assert regions[0].direct_b_runs == (3 if direct_b and stage == "middle" else 0)
