@@ -19,6 +19,14 @@ from fxsplit import cli
 from fxsplit.bench import baselines, chart, modes, report, settings, targets
 from fxsplit.bench.models import ModelConfig
 
+
+def _upstream_fails() -> str | None:
+    """Why upstream's split cannot run on a compiled module on this torch
+    (torch 2.11: pytorch/pytorch#166577), else ``None``. Where it cannot, the
+    bench leaves the inductor+upstream baseline out and says why; these tests
+    check that form there."""
+    return baselines.upstream_split_failure()
+
 SPLIT_MODES = {"eager+upstream", "inductor+upstream", "fxsplit+split"}
 COMPILED_MODES = {"inductor", "inductor+upstream", "fxsplit", "fxsplit+split"}
 
@@ -93,9 +101,14 @@ def test_every_mode_has_finite_figures(quick_result: tuple[dict[str, Any], str])
 
 def test_mode4_default_config_failure_is_recorded(quick_result: tuple[dict[str, Any], str]) -> None:
     r, _ = quick_result
+    mode4 = next(m for m in r["modes"] if m["key"] == "inductor+upstream")
+    why = _upstream_fails()
+    if why is not None:  # not measured at all: the mode says why, with no figure
+        assert mode4["not_measurable"] == why and "166577" in why
+        assert mode4["backward_ms"] is None and r["mode4_default_config_error"] is None
+        return
     err = r["mode4_default_config_error"]
     assert isinstance(err, str) and "donated buffer" in err
-    mode4 = next(m for m in r["modes"] if m["key"] == "inductor+upstream")
     assert mode4["default_config_error"] == err
     assert _finite(mode4["backward_ms"]) and _finite(mode4["b_ms"]) and _finite(mode4["w_ms"])
 
@@ -107,7 +120,8 @@ def test_split_flops_account_for_the_whole_backward(quick_result: tuple[dict[str
     fused = by["inductor"]["flops"]["backward"]
     assert by["fxsplit+split"]["flops"]["backward"] == fused
     assert by["fxsplit+split"]["flops"]["W"] > 0 and by["fxsplit+split"]["flops"]["B"] > 0
-    assert by["inductor+upstream"]["flops"]["B"] == fused  # B runs the whole compiled backward
+    if _upstream_fails() is None:
+        assert by["inductor+upstream"]["flops"]["B"] == fused  # B runs the whole compiled backward
     assert r["targets"]["duplicated_flops"]["pass"] is True
 
 
@@ -135,15 +149,20 @@ def test_progress_goes_to_stderr(quick_run: tuple[dict[str, Any], str, str]) -> 
     # no third-party chatter (the profiler's start/stop lines) and no heartbeat
     assert "USDT" not in stdout + stderr and "SyncActivityProfilerHandler" not in stdout + stderr
     assert "still running" not in stderr
-    for phase in ("compiling inductor (1/3", "compiling fxsplit (3/3", "timing, rounds done: 3/3",
+    n = 3 if _upstream_fails() is None else 2  # (the compiled modules: inductor's twin for upstream's split, or not)
+    for phase in (f"compiling inductor (1/{n}", f"compiling fxsplit ({n}/{n}", "timing, rounds done: 3/3",
                   "measuring memory and counting FLOPs, modes done: 6/6"):
         assert phase in stderr, phase
 
 
 def test_quick_verdicts_carry_their_spread_and_are_unreliable(quick_result: tuple[dict[str, Any], str]) -> None:
     r, stdout = quick_result
+    why = _upstream_fails()
     for name in ("split_backward_vs_inductor", "speedup_vs_inductor_upstream"):
         t = r["targets"][name]
+        if why is not None and name == "speedup_vs_inductor_upstream":
+            assert t["measured"] is None and t["verdict"] == "n/a" and t["unreliable_because"] == f"not measurable: {why}"
+            continue
         sp = t["spread"]
         assert sp["n"] == 3 and sp["min"] <= sp["q25"] <= sp["median"] <= sp["q75"] <= sp["max"]
         assert t["reliable"] is False and "3 paired repetitions" in t["unreliable_because"]
@@ -225,7 +244,8 @@ def test_quick_run_has_every_new_section(quick_result: tuple[dict[str, Any], str
     mem = r["memory"]
     from fxsplit.bench.memory import QUICK_GRID
 
-    assert [(row["layout"], row["variant"]) for row in mem["rows"]] == list(QUICK_GRID)
+    grid = [g for g in QUICK_GRID if _upstream_fails() is None or g[1] != "upstream"]
+    assert [(row["layout"], row["variant"]) for row in mem["rows"]] == grid
     for row in mem["rows"]:
         assert row["alive_bytes"] > 0 and row["zbv_peak_bytes"] >= row["alive_bytes"], row
         if row["variant"] != "upstream" and row["live_in_bytes"] is not None:
