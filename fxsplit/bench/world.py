@@ -77,6 +77,10 @@ def _worker(rank: int, ranks: int, port: int, fn: Callable[[Any, int, int], Any]
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=ranks,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        # Every rank connected before any can tear the group down: a rank whose fn returns at
+        # once would otherwise close its side while a slower rank still connects to it, and
+        # that rank would fail in init with "Connection closed by peer" instead of running fn.
+        dist.barrier()
         try:
             out = fn(payload, rank, ranks)
         finally:
