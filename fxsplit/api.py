@@ -377,7 +377,7 @@ def _run_b(
         if direct is not None:  # (the node is registered for its call only)
             call.release_first = call.direct = True
             return call, [], _run_direct(*direct, xs, call)
-        saved, results = _run_through_engine(plan, call, outs, grads, xs, retain)
+        saved, results = _run_through_engine(plan, call, outs, grads, xs)
         return call, saved, results
     except NotImplementedError:
         raise
@@ -387,25 +387,25 @@ def _run_b(
 
 def _run_through_engine(
     plan: EagerWeightPlan, call: PendingWeightGrads, outs: list[Output], grads: list[torch.Tensor],
-    xs: list[torch.Tensor], retain: bool,
+    xs: list[torch.Tensor],
 ) -> tuple[list[tuple[torch.Tensor | None, ...] | None], Sequence[torch.Tensor | None]]:
     """:func:`_run_b` through autograd's engine, with ``plan``'s regions
     registered for ``call``: the gradients saved for W (one per intermediate)
-    and those of ``xs``. ``retain``: the plan has intermediates, whose nodes W
-    runs again, so the graph is kept."""
+    and those of ``xs``. The graph is kept where ``call.retains_graph`` (the
+    plan has intermediates, whose nodes W runs again)."""
     # B saves the gradient flowing into each eager intermediate for W. Each
     # hook writes into a plain list slot (no closure over the hook handle or
     # the node), and the hooks are removed before B returns.
     saved: list[tuple[torch.Tensor | None, ...] | None] = []
     handles: list[Any] = []
-    if retain or plan.once:  # (general plans only: a stage of compiled regions has neither)
+    if call.retains_graph or plan.once:  # (general plans only: a stage of compiled regions has neither)
         saved = [None] * len(plan.intermediates)
         handles = [node.register_prehook(functools.partial(_save_into, saved, k))
                    for k, node in enumerate(plan.intermediates)]
         _keep_outputs(plan.once, call.deferred, handles)
     try:
         with registered(plan.split_regions, call):
-            results = _reach_targets(plan, outs, grads, xs, retain)
+            results = _reach_targets(plan, outs, grads, xs, call.retains_graph)
             if plan.captures:
                 _run_bottom_regions(plan, call, results[len(xs):])
         # The graph is retained for the nodes W re-runs; free what the

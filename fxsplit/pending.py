@@ -683,7 +683,6 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
                 )
             )
         self.groups = groups
-        self._rerun = list(plan.rerun)
         self._split_regions = [weakref.ref(n) for n in plan.split_regions]
 
     def anchor(self, anchors: Iterable[Any]) -> None:
