@@ -260,10 +260,6 @@ class GradientPart:
     part: str
     desc: str
 
-    @property
-    def identified(self) -> bool:
-        return self.input_index is not None
-
 
 def backward_output_parts(bw: fx.GraphModule) -> list[GradientPart | None] | None:
     """For each backward output, which forward input's gradient it is (part of).
@@ -351,9 +347,6 @@ class SubclassGradients:
         """The builder for region ``node``'s gradients; ``None`` for a region without subclass gradients."""
         metas = _subclass_grad_metas(node)
         return None if metas is None else cls(metas)
-
-    def is_subclass(self, input_index: int) -> bool:
-        return type(self._metas[input_index]).__name__ == "SubclassCreationMeta"
 
     def gradient(self, input_index: int, flat: Sequence[Any]) -> Any:
         """The gradient of forward input ``input_index`` from ``flat``, the

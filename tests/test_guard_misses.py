@@ -652,3 +652,82 @@ def test_a_weight_not_given_tied_to_a_given_one_plans_again(monkeypatch: Any) ->
             torch.testing.assert_close(g, xs[k].grad, msg=lambda m: f"step {step}: {m}")
             torch.testing.assert_close(model.q.grad, other.q.grad, msg=lambda m: f"step {step}: {m}")
         assert len(walks) == (1 if step < 3 else 2), f"step {step}: walked {len(walks)} time(s)"
+
+
+class LowerPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.a(x)), self.b(x)
+
+
+class Upper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(D, D)
+
+    def forward(self, h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self.c(h) * k
+
+
+class Diamond(nn.Module):
+    """``upper`` reads both outputs of ``lower``, each compiled on its own (two
+    regions): from one call of ``lower``, or (``twice``) the first from one
+    call and the second from another, two nodes of the same region class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lower = LowerPair()
+        self.upper = Upper()
+        self.twice = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, k = self.lower(x)
+        if self.twice:
+            _, k = self.lower(x)
+        return self.upper(h, k)
+
+
+@pytest.mark.parametrize("direct_b", [True, "auto"])
+def test_a_region_reached_through_a_second_node_of_its_class_plans_again(direct_b: Any, monkeypatch: Any) -> None:
+    """The part of B's guard that checks, every region's node found, each
+    child that must be another region: planned where ``upper``'s two edges
+    meet one node of ``lower``, the stage then calls ``lower`` twice, so the
+    second edge meets another node of the same class, with the same weights
+    and input below it. Every node the walk from the outputs finds is as
+    planned; replayed, the plan knows the first node only, and the gradient
+    ``lower.b`` gets through the second is lost (seen with that check taken
+    out). B plans again: ``.grad`` stays untouched at B, and after W the input
+    gradient and every ``.grad`` are ordinary backward's (compiled and
+    uncompiled copies)."""
+    from fxsplit import stage_plan
+
+    walks = _counted(monkeypatch, stage_plan, "plan_eager_weight_work")
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Diamond()
+    ref, eager = copy.deepcopy(model), copy.deepcopy(model)
+    backend = fxsplit.backend(compiler="eager", fallback="error")
+    for m in (model, ref):
+        m.lower.compile(backend=backend)
+        m.upper.compile(backend=backend)
+    params = list(model.parameters())
+    with fxsplit.config.patch(direct_b=direct_b):
+        for step in range(5):
+            if step == 3:
+                for m in (model, ref, eager):
+                    m.twice = True
+            for m in (model, ref, eager):
+                m.zero_grad(set_to_none=True)
+            x, dy = torch.randn(4, D), torch.randn(4, D)
+            xs = [x.clone().requires_grad_() for _ in range(3)]
+            (g,), work = fxsplit.stage_backward_input([model(xs[0])], [dy], [xs[0]], params)
+            assert all(p.grad is None for p in params), f"step {step}: B wrote a weight's .grad"
+            fxsplit.stage_backward_weight(params, work)
+            ref(xs[1]).backward(dy)
+            eager(xs[2]).backward(dy)
+            _assert_as_the_copies(g, xs, model, ref, eager)
+            assert len(walks) == (1 if step < 3 else 2), f"step {step}: walked {len(walks)} time(s)"
