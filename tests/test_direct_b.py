@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -248,6 +249,67 @@ def test_a_bad_direct_b_value_is_refused_by_name() -> None:
     finally:
         fxsplit.config.direct_b = True  # (the fixture restores the default)
     assert all(p.grad is None for p in model.parameters()), "a refused B must leave .grad untouched"
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.a(x)), self.b(x)
+
+
+def test_a_second_b_through_a_region_node_the_direct_call_holds_is_refused() -> None:
+    """B on one output of a region calls its node itself; while that call runs
+    (inside its dI graph), B on the other output, in another thread, reaches
+    the same node and is refused (``RuntimeError``) before it changes
+    anything. The first B and its W complete as ordinary backward of that
+    output does, on a compiled and an uncompiled copy."""
+    torch.manual_seed(0)
+    model = TwoOutputs()
+    ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
+    fn, ref_fn = _compiled(model), _compiled(ordinary)
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    before = fxsplit.compiled_regions()
+    xi = x.clone().requires_grad_()
+    out_a, out_b = fn(xi)
+    (region,) = new_regions(before)
+    params = list(model.parameters())
+    errors: list[BaseException] = []
+
+    def other_b() -> None:
+        try:
+            fxsplit.stage_backward_input([out_b], [g], [xi], params)
+        except RuntimeError as e:
+            errors.append(e)
+
+    run_di = region._di_and_live
+
+    def di_while_another_b_tries(*args: Any, **kwargs: Any) -> Any:
+        assert xi.grad is None and all(p.grad is None for p in params)
+        t = threading.Thread(target=other_b)
+        t.start()
+        t.join(timeout=60)
+        assert xi.grad is None and all(p.grad is None for p in params), "the refused B changed a .grad"
+        return run_di(*args, **kwargs)
+
+    region._di_and_live = di_while_another_b_tries
+    try:
+        (dx,), work = fxsplit.stage_backward_input([out_a], [g], [xi], params)
+    finally:
+        del region._di_and_live
+    assert len(errors) == 1 and "another split backward is running" in str(errors[0]), errors
+    assert region.direct_b_runs == 1
+    fxsplit.stage_backward_weight(params, work)
+    for other, f in ((ordinary, ref_fn), (eager, eager)):
+        xr = x.clone().requires_grad_()
+        f(xr)[0].backward(g)
+        torch.testing.assert_close(dx, xr.grad)
+    _assert_same(model, ordinary)  # (b's gradient: zeros through the compiled region, as AOTAutograd gives it)
+    _assert_same(model.a, eager.a)
+    assert eager.b.weight.grad is None
 
 
 def test_auto_keeps_the_engine_for_cpu_tensors() -> None:
