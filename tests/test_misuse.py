@@ -139,6 +139,13 @@ def test_weights_of_another_module(mode: str) -> None:
     check(mode, lambda s: fxsplit.stage_backward_weight(s.params[:2], s.work0), ValueError, "2 missing")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_that_are_not_leaf_tensors_are_refused_by_name(mode: str) -> None:
+    check(mode, lambda s: _b_with(s, [*s.params[:-1], "bias"]), TypeError, "weights must be tensors, got str")
+    check(mode, lambda s: _b_with(s, [*s.params[:-1], s.params[-1] * 1.0]), ValueError,
+          r"weights must be leaf tensors \(parameters\); got a non-leaf tensor of shape \(3,\) produced by MulBackward0")
+
+
 def _b_with(s: Scene, weights: list) -> Any:
     return fxsplit.stage_backward_input([s.out1], [grads_like(s.out1, 1)], [s.x1], weights)
 
