@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import operator
 import weakref
 from collections.abc import Iterable, Sequence
@@ -67,6 +68,8 @@ from torch.autograd.graph import GradientEdge, Node
 
 from fxsplit import _torch_internals as ti
 from fxsplit.runtime import CompiledSplitBackward, route_backward
+
+log = logging.getLogger("fxsplit")
 
 __all__ = [
     "MAX_PLANS_PER_REGION",
@@ -739,7 +742,8 @@ def _stage_shape(
         read = [_region_shape(plan, i, out_nodes, n_w, index, weight_at, leaf_at, input_node_at, accumulate_grad)
                 for i in range(len(nodes))]
         refs = tuple(map(weakref.ref, weights))
-    except (KeyError, ValueError, TypeError, StopIteration):  # (a child it cannot place; a weight with no weak reference)
+    except (KeyError, ValueError, TypeError, StopIteration) as e:  # (a child it cannot place; a weight with no weak reference)
+        log.debug("fxsplit: B: this stage's plan is not kept (%s: %s); B plans it on every call", type(e).__name__, e)
         return None
     numbers = ()
     if plan.direct_edges is not None:

@@ -731,3 +731,35 @@ def test_a_region_reached_through_a_second_node_of_its_class_plans_again(direct_
             eager(xs[2]).backward(dy)
             _assert_as_the_copies(g, xs, model, ref, eager)
             assert len(walks) == (1 if step < 3 else 2), f"step {step}: walked {len(walks)} time(s)"
+
+
+def test_a_stage_whose_plan_cannot_be_kept_plans_every_call_and_says_so(
+    monkeypatch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where B cannot describe a stage of compiled regions as a guarded shape
+    (here: reading a region raises, as for a child it cannot place), it keeps
+    no plan, plans on every call, logs why at debug on ``fxsplit``'s logger,
+    and the gradients are ordinary backward's (compiled and uncompiled copies)."""
+    import logging
+
+    from fxsplit import stage_plan
+
+    walks = _counted(monkeypatch, stage_plan, "plan_eager_weight_work")
+
+    def unreadable(*args: Any) -> Any:
+        raise KeyError("a child it cannot place")
+
+    monkeypatch.setattr(stage_plan, "_region_shape", unreadable)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Block()
+    fn, ref, ref_fn, eager = _with_ordinary_copies(model)
+    with caplog.at_level(logging.DEBUG, logger="fxsplit"):
+        for step in range(3):
+            x, dy = torch.randn(2, 8, D), torch.randn(2, 8, D)
+            leaves = [x.clone().requires_grad_() for _ in range(3)]
+            g, _ = _b_w_and_ordinary(fn, ref_fn, eager, model, leaves, dy)
+            _assert_as_the_copies(g, leaves, model, ref, eager)
+    assert len(walks) == 3
+    said = [r.getMessage() for r in caplog.records if r.name == "fxsplit" and "plan is not kept" in r.getMessage()]
+    assert len(said) == 3 and "KeyError" in said[0] and "a child it cannot place" in said[0], said
