@@ -220,14 +220,38 @@ def test_chart_values_on_bars_and_legends_clear_of_them(quick_result: tuple[dict
             assert not legend.overlaps(bar.get_window_extent(renderer)), "a legend covers a bar"
     # every mode's total time and every memory figure is written next to its bar
     texts = [t.get_text().strip() for ax in (time_ax, mem_ax) for t in ax.texts]
+    peaks = [(x["peak_bytes"] or 0) / 2**20 for x in r["modes"]] + [(x["held_bytes"] or 0) / 2**20 for x in r["modes"]]
     for m in r["modes"]:
+        if not m["timing"]:  # (a refused baseline: checked below)
+            continue
         total = sum(m["timing"][ph]["median_ms"] for ph in ("forward", "B", "W", "backward") if ph in m["timing"])
         assert f"{total:.1f} ms" in texts
-        peaks = [x["peak_bytes"] / 2**20 for x in r["modes"]] + [(x["held_bytes"] or 0) / 2**20 for x in r["modes"]]
         assert f"{m['peak_bytes'] / 2**20:{chart._label_spec(peaks)}}" in texts
     assert "MiB" in mem_ax.get_xlabel() and "MB" not in mem_ax.get_xlabel().replace("MiB", "")
     plt.close(fig)
     assert chart.draw_chart(r, tmp_path / "chart.png") and (tmp_path / "chart.png").stat().st_size > 0
+
+
+def test_chart_writes_no_figure_for_a_mode_that_did_not_run(quick_result: tuple[dict[str, Any], str]) -> None:
+    """A mode the bench could not measure (the inductor+upstream baseline where
+    upstream's split fails on compiled modules, torch 2.11 and 2.12) is listed
+    with no timing and no memory: its bars say so instead of showing 0."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r, _ = quick_result
+    r = copy.deepcopy(r)
+    refused = next(m for m in r["modes"] if m["key"] == "inductor+upstream")
+    refused.update(timing={}, peak_bytes=None, held_bytes=None)
+    fig = chart.chart_figure(r)
+    time_ax, mem_ax = fig.axes
+    row = [m["key"] for m in r["modes"]].index("inductor+upstream")
+    time_texts = [t for t in time_ax.texts if abs(t.get_position()[1] - row) < 1e-9]
+    assert [t.get_text().strip() for t in time_texts] == ["not measured"]
+    peak_labels = [t.get_text().strip() for t in mem_ax.texts]
+    assert len(peak_labels) == 2 * len(r["modes"]) and peak_labels[row] == "-" and peak_labels[len(r["modes"]) + row] == "-"
+    plt.close(fig)
 
 
 def test_quick_run_has_every_new_section(quick_result: tuple[dict[str, Any], str]) -> None:

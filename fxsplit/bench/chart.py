@@ -57,8 +57,8 @@ def chart_figure(result: dict[str, Any]) -> Any:
         ax1.bar_label(bars, labels=[f"{v:.1f}" if v >= 0.12 * widest else "" for v in vals], label_type="center",
                       fontsize=8, color="white")
         totals = [t + v for t, v in zip(totals, vals)]
-    for y, t in zip(ys, totals):
-        ax1.text(t, y, f" {t:.1f} ms", va="center", fontsize=8)
+    for y, t, r in zip(ys, totals, modes):  # (a mode that did not run, e.g. a refused baseline: no figure)
+        ax1.text(t, y, f" {t:.1f} ms" if r["timing"] else " not measured", va="center", fontsize=8)
     ax1.set_yticks(ys, names)
     ax1.invert_yaxis()
     ax1.set_xlim(0, max(totals) * 1.22)
@@ -72,7 +72,8 @@ def chart_figure(result: dict[str, Any]) -> Any:
     b1 = ax2.barh([y - 0.2 for y in ys], peak, height=0.4, color="#6366f1", label="peak during forward + backward")
     b2 = ax2.barh([y + 0.2 for y in ys], held, height=0.4, color="#ef4444", label="held from B to W (split modes)")
     spec = _label_spec(peak + held)
-    ax2.bar_label(b1, labels=[f" {v:{spec}}" for v in peak], fontsize=8)
+    ax2.bar_label(b1, labels=[f" {v:{spec}}" if r["peak_bytes"] is not None else " -" for v, r in zip(peak, modes)],
+                  fontsize=8)
     ax2.bar_label(b2, labels=[f" {v:{spec}}" if r["held_bytes"] is not None else " -" for v, r in zip(held, modes)],
                   fontsize=8)
     ax2.set_yticks(ys, names)
