@@ -369,10 +369,29 @@ def rank_main(runs: tuple[TitanRun, ...], rank: int, ranks: int) -> list[dict[st
         return [_train(r, rank, ranks) for r in runs]
 
 
+def schedule_step_failure() -> str | None:
+    """Why torch's pipeline schedules cannot be stepped as torchtitan 0.3.0's trainer
+    steps them (``None`` where they can): it passes ``loss_kwargs=`` to
+    ``schedule.step``, which torch 2.13 and later take; an older ``step`` would
+    treat it as a model input and fail cutting it into microbatches.
+    Feature-detected, not version-compared."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    if all("loss_kwargs" in inspect.signature(c.step).parameters for c in (PipelineScheduleSingle, PipelineScheduleMulti)):
+        return None
+    return (f"torch {torch.__version__}'s schedule.step takes no loss_kwargs=, which torchtitan's trainer passes "
+            "(torch 2.13 and later take it)")
+
+
 def run(runs: TitanRun | tuple[TitanRun, ...], ranks: int = 2, timeout_s: float = 1800.0,
         on_progress: Any = None) -> list[list[dict[str, Any]]]:
     """``runs`` on ``ranks`` gloo CPU ranks (one intra-op thread each), with fxsplit's
-    ``fallback="error"``: per rank, the result of each run."""
+    ``fallback="error"``: per rank, the result of each run. Raises ``RuntimeError``,
+    before starting any rank, where :func:`schedule_step_failure` says this torch
+    cannot step the schedules as the trainer does."""
+    why = schedule_step_failure()
+    if why is not None:
+        raise RuntimeError(f"fxsplit.bench.titan: {why}")
     runs = (runs,) if isinstance(runs, TitanRun) else tuple(runs)
     return W.run_world(rank_main, runs, ranks, timeout_s=timeout_s, on_progress=on_progress,
                        preload=["torch", "torch.distributed.pipelining", "torch._inductor.compile_fx", "torchtitan",
