@@ -205,10 +205,11 @@ def run_ep_case(case: EPCase, rank: int, world: int) -> dict[str, Any]:
 
 
 def _grad_tol(case: EPCase, name: str) -> dict[str, float]:
-    if case.experts == "grouped_mm" and name.startswith("w_"):
-        return dict(rtol=3e-2, atol=3e-3)  # bf16 experts
     if case.experts == "grouped_mm":
-        return dict(rtol=2e-2, atol=2e-3)  # downstream of bf16 experts
+        # bf16 experts, and what is downstream of them: on torch 2.12 one element of a stage's
+        # proj.weight gradient at step 1 differs from the reference by 2.6e-3 under every
+        # schedule, ScheduleInterleaved1F1B (no B/W split) included, by the same amount.
+        return dict(rtol=3e-2, atol=3e-3)
     return dict(rtol=1e-4, atol=1e-5)
 
 
