@@ -9,6 +9,11 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed (pip install 'fxsplit[torchtitan]')")
+try:
+    import torchtitan.distributed.pipeline_parallel  # noqa: F401
+    import torchtitan.models.llama3  # noqa: F401
+except ImportError as e:  # (torchtitan 0.3.0 on torch 2.11: a name its torch lacks)
+    pytest.skip(f"torchtitan does not import with torch {torch.__version__}: {e}", allow_module_level=True)
 
 import os
 import sys
@@ -153,6 +158,10 @@ def test_config_registry_serves_torchtitans_configs_with_fxsplit_stages() -> Non
 def test_missing_torchtitan_is_named_with_the_extra_to_install() -> None:
     with pytest.raises(ImportError, match=r"pip install 'fxsplit\[torchtitan\]'"):
         integration._torchtitan("torchtitan_that_is_not_installed")
+    # installed, but a module of it does not import (torchtitan 0.3.0 on torch 2.11 fails so)
+    with pytest.raises(ImportError, match=r"torchtitan is installed but torchtitan\.not_a_module does not import "
+                                          r"with torch .*this torchtitan does not support this torch"):
+        integration._torchtitan("torchtitan.not_a_module")
 
 
 def test_refuses_flex_attention_blocks_with_the_way_out() -> None:

@@ -49,9 +49,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 log = logging.getLogger("fxsplit")
 
@@ -68,6 +71,11 @@ def _torchtitan(module: str = "torchtitan.distributed.pipeline_parallel") -> Any
     try:
         return importlib.import_module(module)
     except ImportError as e:
+        if importlib.util.find_spec(module.split(".")[0]) is not None:  # installed, but not for this torch
+            raise ImportError(
+                _PREFIX + f"torchtitan is installed but {module} does not import with torch {torch.__version__} "
+                f"({e}): this torchtitan does not support this torch (fxsplit tests torchtitan 0.3.0)"
+            ) from e
         raise ImportError(
             _PREFIX + f"needs torchtitan ({e}); install it with pip install 'fxsplit[torchtitan]'"
         ) from e
