@@ -36,3 +36,21 @@ def test_world_returns_each_ranks_result_and_rank_zeros_progress() -> None:
 def test_a_failing_rank_raises_its_traceback_in_the_parent() -> None:
     with pytest.raises(W.WorldFailed, match=r"rank 1 failed:[\s\S]*ValueError: boom on rank 1"):
         W.run_world(_rank_one_fails, "boom", 2, timeout_s=120, preload=multirank.PRELOAD)
+
+
+def _both_ranks_fail(payload: str, rank: int, ranks: int) -> int:
+    import time
+
+    if rank == 0:
+        time.sleep(0.5)  # (rank 1's error reaches the parent first)
+        raise ConnectionError(f"{payload}: rank 0 saw its peer go away")
+    raise ValueError(f"{payload}: the cause, on rank 1")
+
+
+def test_a_world_failure_carries_every_rank_error_that_follows_the_first() -> None:
+    with pytest.raises(W.WorldFailed) as e:
+        W.run_world(_both_ranks_fail, "boom", 2, timeout_s=120, preload=multirank.PRELOAD)
+    message = str(e.value)
+    assert "ValueError: boom: the cause, on rank 1" in message
+    assert "rank 0 failed too:" in message and "ConnectionError: boom: rank 0 saw its peer go away" in message
+    assert message.index("rank 1 failed:") < message.index("rank 0 failed too:")

@@ -121,7 +121,8 @@ def run_world(fn: Callable[[Any, int, int], Any], payload: Any, ranks: int, *, t
     ``fn`` and ``payload`` cross a process boundary: ``fn`` must be a module-level
     function and ``payload`` picklable. Each rank runs with ``threads`` intra-op
     threads, on ``cuda:rank`` when ``device`` is ``"cuda"``. Raises
-    :class:`WorldFailed` if a rank raises (its traceback is the message), exits
+    :class:`WorldFailed` if a rank raises (its traceback is the message, followed by any
+    other rank's that fails within a few seconds), exits
     without reporting, or the world runs past ``timeout_s``; every process is
     joined or killed before this returns or raises.
     """
@@ -155,7 +156,7 @@ def run_world(fn: Callable[[Any, int, int], Any], payload: Any, ranks: int, *, t
                 if on_progress is not None:
                     on_progress(out)
             elif status == "error":
-                raise WorldFailed(f"rank {rank} failed:\n{out}")
+                raise WorldFailed(_failures(rank, out, results, set(range(ranks)) - set(got) - {rank}))
             else:
                 got[rank] = out
     finally:
@@ -165,6 +166,24 @@ def run_world(fn: Callable[[Any, int, int], Any], payload: Any, ranks: int, *, t
                 p.kill()
                 p.join(timeout=5)
     return [got[r] for r in range(ranks)]
+
+
+def _failures(rank: int, out: str, results: Any, others: set[int], grace_s: float = 3.0) -> str:
+    """``rank``'s traceback ``out``, then those of any of ``others`` that fail within
+    ``grace_s`` seconds: the first error the parent hears may be a rank that only
+    saw its peer go away (gloo's "Connection closed by peer"), the cause another's."""
+    errors = [(rank, out)]
+    end = time.monotonic() + grace_s
+    while others and (left := end - time.monotonic()) > 0:
+        try:
+            status, r, o = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if status == "error":
+            errors.append((r, o))
+        if status != "progress":
+            others.discard(r)
+    return "\n\n".join(f"rank {r} failed{' too' if k else ''}:\n{o}" for k, (r, o) in enumerate(errors))
 
 
 # ---------------------------------------------------------------------------------------------
