@@ -27,7 +27,7 @@ import torch.nn as nn
 
 import fxsplit
 from stage_check import new_regions
-from zoo import GeluResidual
+from zoo import GeluResidual, ParallelHeads
 
 
 @pytest.fixture(autouse=True)
@@ -251,16 +251,6 @@ def test_a_bad_direct_b_value_is_refused_by_name() -> None:
     assert all(p.grad is None for p in model.parameters()), "a refused B must leave .grad untouched"
 
 
-class TwoOutputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tanh(self.a(x)), self.b(x)
-
-
 def test_a_second_b_through_a_region_node_the_direct_call_holds_is_refused() -> None:
     """B on one output of a region calls its node itself; while that call runs
     (inside its dI graph), B on the other output, in another thread, reaches
@@ -268,7 +258,7 @@ def test_a_second_b_through_a_region_node_the_direct_call_holds_is_refused() -> 
     anything. The first B and its W complete as ordinary backward of that
     output does, on a compiled and an uncompiled copy."""
     torch.manual_seed(0)
-    model = TwoOutputs()
+    model = ParallelHeads(8)
     ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
     fn, ref_fn = _compiled(model), _compiled(ordinary)
     x, g = torch.randn(4, 8), torch.randn(4, 8)

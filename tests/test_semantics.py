@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import fxsplit
-from zoo import TwoLinear
+from zoo import ParallelHeads, TwoLinear
 
 MODES = ["eager", "compiled", pytest.param("inductor", marks=pytest.mark.inductor)]
 FAST_MODES = ["eager", "compiled"]
@@ -894,16 +894,6 @@ def test_recompiles_do_not_accumulate_regions() -> None:
 # differences that come from torch.compile itself (docs/semantics.md)
 
 
-class TwoHeads(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.a(x), self.b(x)
-
-
 def test_an_output_given_no_gradient_behaves_as_under_torch_compile() -> None:
     """A compiled region's output that receives no gradient: eager autograd
     leaves ``b``'s ``.grad`` ``None`` and never calls its hooks; torch.compile
@@ -911,7 +901,7 @@ def test_an_output_given_no_gradient_behaves_as_under_torch_compile() -> None:
     so ``b`` gets a zero ``.grad`` and its hooks are called. B then W gives
     what the same compile gives (``aot_eager`` here), not what eager gives."""
     torch.manual_seed(0)
-    model = TwoHeads()
+    model = ParallelHeads(4)
     x = torch.randn(3, 4)
 
     def run(kind: str) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:

@@ -90,6 +90,19 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class ParallelHeads(nn.Module):
+    """Linear(d, d) and Linear(d, d) side by side on one input: a region with two outputs, each
+    from a weight of its own."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
 class TwoLinear(nn.Module):
     """Linear(6, 8), ReLU, Linear(8, 6): the smallest stage with two weights in a row, for
     tests of semantics (hooks, accumulation, compile counts) rather than numerics."""
