@@ -461,8 +461,10 @@ class _RegionGraphs:
         strides = [False] * len(expected)
         examples, _ = self._dw_inputs()
         # A live-in that is one of the backward's inputs passes through dI
-        # untouched: it is what dW was compiled for already.
-        expected += [e if live.source == "dI" else None for e, live in zip(examples, split.live_ins)]
+        # untouched: it is what dW was compiled for already. A symbolic size
+        # among them is not checked: it tells the guard its symbol's value.
+        expected += [e if live.source == "dI" or not isinstance(e, torch.Tensor) else None
+                     for e, live in zip(examples, split.live_ins)]
         names += [f"live-in {live.name}" for live in split.live_ins]
         strides += [True] * len(examples)
         return expected, names, strides

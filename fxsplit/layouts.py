@@ -21,10 +21,17 @@ silent.
 Expected layouts come from the values the consumer was compiled for (fake
 tensors of the traced graph, with symbolic sizes where the region is
 dynamic). Static sizes are compared exactly (strides of size-1 dimensions are
-ignored, as Inductor's ``assert_size_stride`` ignores them); symbolic ones by
-what they fix: the rank, the dimensions statically of size 1, the broadcast
-dimensions (stride 0: an expand the consumer was compiled to read as one),
-and for the other strides, density in the expected dimension order.
+ignored, as Inductor's ``assert_size_stride`` ignores them). Symbolic ones
+are evaluated at the call's values of their symbols, read off what crosses
+the same boundary (a size the consumer receives as an integer, or a
+dimension of a tensor compiled for exactly that symbol), and then compared
+exactly too: a consumer compiled for a slice of a wider buffer (stride
+``8*s1`` for a dimension of size ``s1``) asserts that stride, which a dense
+tensor of the same values does not have. Where a symbol cannot be read off,
+what the layout fixes regardless is checked: the rank, the dimensions
+statically of size 1, the broadcast dimensions (stride 0: an expand the
+consumer was compiled to read as one), and for the other strides, density in
+the expected dimension order.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
 
 from fxsplit import _torch_internals as ti
@@ -61,6 +69,21 @@ def _static(value: Any) -> int | None:
     return None
 
 
+def _expr(value: Any) -> Any:
+    """A size or stride as an int, or as the sympy expression of a SymInt."""
+    return value.node.expr if isinstance(value, torch.SymInt) else int(value)
+
+
+def _symbol(value: Any) -> Any:
+    """The symbol ``value`` is exactly (a SymInt whose expression is one
+    symbol), else ``None``."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        if getattr(expr, "is_Symbol", False):
+            return expr
+    return None
+
+
 def _hint(value: Any) -> int:
     """An example value of a size (its hint when symbolic)."""
     if isinstance(value, torch.SymInt):
@@ -75,10 +98,12 @@ class TensorLayout:
     ``size`` and ``stride`` are tuples of ints when every size and stride is
     static (``static``); otherwise ``rank``, ``ones`` (dimensions statically
     of size 1) and ``order`` (dimensions from the smallest stride to the
-    largest, at the example's sizes) describe it.
+    largest, at the example's sizes) describe it, and ``exprs`` (the sizes'
+    and strides' expressions) evaluates to its exact sizes and strides given
+    its symbols' values (:meth:`exact`).
     """
 
-    __slots__ = ("rank", "dtype", "device", "static", "size", "stride", "ones", "order", "strides", "zeros")
+    __slots__ = ("rank", "dtype", "device", "static", "size", "stride", "ones", "order", "strides", "zeros", "exprs")
 
     def __init__(self, value: torch.Tensor, strides: bool = True) -> None:
         # strides=False: only the shape and dtype matter to the consumer (autograd
@@ -98,20 +123,34 @@ class TensorLayout:
         self.zeros = tuple(k for k, (n, st) in enumerate(zip(sizes, strides)) if st == 0 and n != 1)
         hints = [_hint(s) for s in value.stride()]
         self.order = tuple(k for k in sorted(range(self.rank), key=lambda k: (hints[k], k)) if k not in self.zeros)
+        self.exprs: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None if self.static else (
+            tuple(map(_expr, value.shape)), tuple(map(_expr, value.stride())))
 
-    def matches(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is laid out as expected (the per-call check)."""
+    def exact(self, env: dict[Any, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The sizes and strides expected, given ``env`` (symbol -> sympy
+        integer), or ``None`` where a symbol of them has no value there."""
+        if self.exprs is None or not env:
+            return None
+        try:
+            sizes, strides = (tuple(e if type(e) is int else int(e.xreplace(env)) for e in part) for part in self.exprs)
+        except TypeError:  # a symbol env has no value for
+            return None
+        return sizes, strides
+
+    def matches(self, t: torch.Tensor, env: dict[Any, Any] | None = None) -> bool:
+        """Whether ``t`` is laid out as expected (the per-call check); ``env``:
+        the call's values of the layout's symbols, where known."""
         if t.dtype != self.dtype:
             return False
-        if self.static:
-            if t.shape != self.size:
+        exact = (self.size, self.stride) if self.static else self.exact(env)
+        if exact is not None:
+            size, expected = exact
+            if t.shape != size:
                 return False
             if not self.strides:
                 return True
             stride = t.stride()
-            return stride == self.stride or all(
-                a == b for a, b, n in zip(stride, self.stride, self.size) if n != 1
-            )
+            return stride == expected or all(a == b for a, b, n in zip(stride, expected, size) if n != 1)
         if t.dim() != self.rank or any(t.shape[k] != 1 for k in self.ones):
             return False
         if not self.strides:
@@ -129,10 +168,12 @@ class TensorLayout:
             expected *= n
         return True
 
-    def _size_for(self, t: torch.Tensor) -> tuple[int, ...]:
-        """The expected size, at ``t``'s sizes where it is symbolic."""
+    def _size_for(self, t: torch.Tensor, exact: tuple[tuple[int, ...], tuple[int, ...]] | None) -> tuple[int, ...]:
+        """The expected size, at ``t``'s sizes where it is symbolic and not ``exact``."""
         if self.static:
             return self.size
+        if exact is not None:
+            return exact[0]
         if t.dim() == self.rank:
             return tuple(t.shape)
         unknown = [k for k, n in enumerate(self.size) if n < 0]
@@ -152,9 +193,11 @@ class TensorLayout:
         it = iter(rest)
         return tuple(1 if k in self.ones else next(it) for k in range(self.rank))
 
-    def _stride_for(self, size: tuple[int, ...]) -> tuple[int, ...]:
+    def _stride_for(self, size: tuple[int, ...], exact: tuple[tuple[int, ...], tuple[int, ...]] | None) -> tuple[int, ...]:
         if self.static:
             return self.stride
+        if exact is not None:
+            return exact[1]
         stride = [0] * self.rank  # (0 along the broadcast dimensions, which order leaves out)
         expected = 1
         for k in self.order:
@@ -162,14 +205,16 @@ class TensorLayout:
             expected *= size[k]
         return tuple(stride)
 
-    def conform(self, t: torch.Tensor) -> tuple[torch.Tensor, str]:
-        """``t`` laid out as expected, and what was done (``"view"`` or ``"copy"``).
+    def conform(self, t: torch.Tensor, env: dict[Any, Any] | None = None) -> tuple[torch.Tensor, str]:
+        """``t`` laid out as expected (``env``: as in :meth:`matches`), and what
+        was done (``"view"`` or ``"copy"``).
 
         Raises :class:`LayoutMismatch` where ``t`` holds another number of
         elements or lives on another device."""
         if t.device != self.device and not (t.device.type == self.device.type == "meta"):
             raise LayoutMismatch(f"a tensor on {t.device} where {self.device} was expected")
-        size = self._size_for(t)
+        exact = self.exact(env)
+        size = self._size_for(t, exact)
         if t.numel() != math.prod(size):
             raise LayoutMismatch(f"a tensor of shape {tuple(t.shape)} where shape {size} was expected")
         how = "view"
@@ -182,8 +227,8 @@ class TensorLayout:
             except RuntimeError:
                 t = t.reshape(size)
                 how = "copy"
-        if not self.matches(t):
-            out = torch.empty_strided(size, self._stride_for(size), dtype=self.dtype, device=t.device)
+        if not self.matches(t, env):
+            out = torch.empty_strided(size, self._stride_for(size, exact), dtype=self.dtype, device=t.device)
             # Along a broadcast dimension every element of out is one memory location:
             # copy index 0 of t there (t is numerically the expanded value).
             dst, src = out, t
@@ -217,10 +262,13 @@ class BoundaryGuard:
     ``i`` of the producer's output list was compiled for, or ``None`` for a
     position not to check; ``names[i]`` names it in reports; ``strides[i]``
     says whether its strides matter (``False``: shape and dtype only).
-    ``region`` names the region in logs.
+    ``region`` names the region in logs. A symbolic size (a SymInt) at a
+    position is not checked; it tells where the call's value of its symbol
+    is, as does each dimension of a checked tensor compiled for one symbol.
     """
 
-    __slots__ = ("region", "_checks", "_exact", "adapted", "_reported", "_fast", "_pick", "_fast_state", "_guards_made")
+    __slots__ = ("region", "_checks", "_exact", "adapted", "_reported", "_fast", "_pick", "_fast_state", "_guards_made",
+                 "_symbols")
 
     def __init__(
         self, region: str, expected: Sequence[Any], names: Sequence[str], strides: Sequence[bool] | None = None
@@ -237,6 +285,17 @@ class BoundaryGuard:
             (i, layout.size, layout.stride if layout.strides else None, layout.dtype, k)
             for k, (i, _, layout) in enumerate(self._checks)
         )
+        # symbol -> where its value is: (position, None) an integer, (position, k)
+        # dimension k of a tensor, (position, k, rank) that tensor's rank, which it
+        # must have for its sizes to be read so. Integers first: they are the values.
+        self._symbols: dict[Any, tuple[int, int | None, int]] = {}
+        for i, v in enumerate(expected):
+            if _symbol(v) is not None:
+                self._symbols.setdefault(_symbol(v), (i, None, 0))
+        for i, _, layout in self._checks:
+            for k, size in enumerate(expected[i].shape):
+                if _symbol(size) is not None:
+                    self._symbols.setdefault(_symbol(size), (i, k, layout.rank))
         # name -> what was found and what was done, for inspection (first occurrence).
         self.adapted: dict[str, str] = {}
         self._reported: set[str] = set()
@@ -262,6 +321,7 @@ class BoundaryGuard:
             self._fast = None
             self._fast_state = "untried" if self._guards_made < _MAX_GUARDS else "off"
         conformed = False
+        env: dict[Any, Any] | None = None
         for i, size, stride, dtype, k in self._exact:
             t = values[i]
             if (
@@ -274,8 +334,10 @@ class BoundaryGuard:
             if t.__class__ is not torch.Tensor:
                 conformed = True  # (a subclass or no tensor: checked every call, never guarded)
             _, name, layout = self._checks[k]
-            if isinstance(t, torch.Tensor) and not layout.matches(t):
-                values[i] = self._conform(name, layout, t)
+            if env is None and not layout.static:
+                env = self._env(values)
+            if isinstance(t, torch.Tensor) and not layout.matches(t, env):
+                values[i] = self._conform(name, layout, t, env)
                 conformed = True
         if not conformed and self._fast_state == "untried" and self._pick is not None:
             self._guards_made += 1
@@ -283,9 +345,20 @@ class BoundaryGuard:
             self._fast_state = "on" if self._fast is not None else "off"
         return values
 
-    def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor) -> torch.Tensor:
+    def _env(self, values: list[Any]) -> dict[Any, Any]:
+        """The call's value of each symbol that can be read off ``values``."""
+        env: dict[Any, Any] = {}
+        for symbol, (i, k, rank) in self._symbols.items():
+            v = values[i]
+            if k is None and isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+                env[symbol] = sympy.Integer(int(v))
+            elif k is not None and isinstance(v, torch.Tensor) and v.dim() == rank:
+                env[symbol] = sympy.Integer(v.shape[k])
+        return env
+
+    def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor, env: dict[Any, Any] | None = None) -> torch.Tensor:
         try:
-            out, how = layout.conform(t)
+            out, how = layout.conform(t, env)
         except LayoutMismatch as e:
             raise LayoutMismatch(
                 f"fxsplit: {self.region}: {name} came back from the compiled dI graph as {_describe(t)}, "

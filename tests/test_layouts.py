@@ -238,16 +238,86 @@ def test_a_broadcast_layout_is_conformed_by_its_first_element(symbolic: bool) ->
     assert layout.matches(values.expand(-1, 8))  # an expand as compiled for: as it is
 
 
+def test_a_symbolic_slice_of_a_wider_buffer_is_checked_at_its_strides() -> None:
+    """A consumer compiled for ``h[..., :4]`` of a symbolic ``(s0, s1, 8)``
+    expects strides ``(8*s1, 8, 1)``: not dense. Given the symbols' values
+    (the sizes the dW graph receives as integers), the view as compiled
+    passes as it is, and a dense copy of the same values is conformed to
+    those strides. Density alone took it the other way round (fuzz seed 247
+    with Inductor: the guard copied the right view into a dense tensor, and
+    the dW graph's ``assert_size_stride`` failed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake = mode.from_tensor(torch.empty(2, 5, 8), symbolic_context=ctx)
+    s0, s1 = fake.shape[0], fake.shape[1]
+    guard = BoundaryGuard("region3", [s0, s1, fake[..., :4]], ["s0", "s1", "live-in slice_4"])
+    h = torch.randn(3, 4, 8)
+    as_compiled = [3, 4, h[..., :4]]
+    assert guard(as_compiled)[2] is as_compiled[2] and not guard.adapted
+    dense = [3, 4, h[..., :4].contiguous()]
+    out = guard(dense)[2]
+    assert out.stride() == (32, 8, 1) and "live-in slice_4" in guard.adapted
+    torch.testing.assert_close(out, h[..., :4], rtol=0, atol=0)
+
+
+class SliceOfCat(nn.Module):
+    """``cat([h[..., :4] * w[:4], h[..., 4:]])``: dW reads ``h[..., :4]``, a
+    slice of ``h`` (width 8), as the dI graph returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.cat([h[..., :4] * self.w[:4], h[..., 4:]], -1)
+
+
+@pytest.mark.inductor
+def test_a_dynamic_region_whose_live_in_is_a_slice_gives_ordinary_gradients() -> None:
+    """Inductor, symbolic batch and sequence sizes: the live-in ``h[..., :4]``
+    comes back from dI as the strided view dW was compiled for, and crosses
+    as it is, at every shape; B then W is ordinary backward on compiled and
+    uncompiled copies."""
+    torch.manual_seed(0)
+    model = SliceOfCat()
+    ordinary, eager = copy.deepcopy(model), copy.deepcopy(model)
+    before = fxsplit.compiled_regions()
+    fn = torch.compile(model, backend=fxsplit.backend(compiler="inductor"), dynamic=True)
+    ref = torch.compile(ordinary, backend=fxsplit.backend(compiler="inductor"), dynamic=True)
+    params = list(model.parameters())
+    for b, t in ((2, 5), (3, 4), (4, 7)):
+        x, g = torch.randn(b, t, 8), torch.randn(b, t, 8)
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        (dx,), work = fxsplit.stage_backward_input([fn(xs[0])], [g], [xs[0]], params)
+        fxsplit.stage_backward_weight(params, work)
+        ref(xs[1]).backward(g)
+        eager(xs[2]).backward(g)
+        torch.testing.assert_close(dx, xs[1].grad)
+        torch.testing.assert_close(dx, xs[2].grad)
+    for p, q, e in zip(model.parameters(), ordinary.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        torch.testing.assert_close(p.grad, e.grad)
+    split = [r for r in new_regions(before) if r.stats["di_runs"]]
+    assert len(split) == 1 and split[0].stats["dw_runs"] == 3 and split[0].boundary.adapted == {}
+
+
 def test_another_number_of_elements_is_a_clear_error() -> None:
     guard = BoundaryGuard("region9", [torch.empty(1, 8)], ["live-in sum_1"])
     with pytest.raises(LayoutMismatch, match=r"region9: live-in sum_1 came back .* size \(9,\)"):
         guard([torch.empty(9)])
 
 
-@pytest.mark.parametrize("how", ["rank", "strides"])
+@pytest.mark.parametrize("how", ["rank", "strides", "flattened"])
 def test_distorted_live_ins_with_symbolic_sizes(how: str) -> None:
     """A region compiled for symbolic sequence lengths: the expected layouts are
-    symbolic, and each length is conformed at its own sizes."""
+    symbolic, and each length is conformed at its own sizes. Flattened, a
+    value with two symbolic sizes is given its shape from the sizes the dW
+    graph receives as integers, which cross the same boundary."""
     torch.manual_seed(0)
     base = NormMLP()
     mod, ref = copy.deepcopy(base), copy.deepcopy(base)
@@ -269,14 +339,26 @@ def test_distorted_live_ins_with_symbolic_sizes(how: str) -> None:
 
 
 def test_a_layout_that_cannot_be_told_is_a_clear_error() -> None:
-    """Flattened with two symbolic sizes, an input gradient's shape cannot be
-    told: B raises naming the region and the value, and no .grad is touched."""
+    """A value that cannot be what its consumer was compiled for: flattened
+    with two symbolic sizes whose values nothing crossing the boundary tells,
+    or holding another number of elements. The guard raises naming the
+    region and the value; from B, no .grad is touched."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake = mode.from_tensor(torch.empty(2, 5, 16), symbolic_context=ctx)
+    guard = BoundaryGuard("region7", [fake], ["live-in mul_3"])
+    with pytest.raises(LayoutMismatch, match=r"region7: live-in mul_3 came back .* size \(336,\)"):
+        guard([torch.empty(3 * 7 * 16)])
+
     mod = NormMLP()
     compiled = torch.compile(mod, backend=fxsplit.backend(compiler="eager"), dynamic=True)
     before = fxsplit.compiled_regions()
     compiled(torch.randn(2, 5, 16, requires_grad=True))
     (region,) = new_regions(before)
-    _distort_di(region, _flattened, outputs_too=True)
+    _distort_di(region, lambda t: t.reshape(-1)[1:], outputs_too=True)
     x = torch.randn(3, 7, 16, requires_grad=True)
     out = compiled(x)
     with pytest.raises(RuntimeError, match=r"region\d+: the gradient of input \d+ came back from the compiled dI graph"):
