@@ -335,7 +335,7 @@ def _takes_on_weight(weight: torch.Tensor) -> bool:
 
 def _in_weight_layout(weight: torch.Tensor, grad: Any) -> bool:
     """The part of :func:`takes_gradient_like_autograd` that is metadata of
-    the two tensors only (what :func:`_guarded` checks at once)."""
+    the two tensors only (what :func:`_laid_out` decides once per metadata)."""
     return (
         type(grad) is torch.Tensor
         and type(weight) in (torch.nn.Parameter, torch.Tensor)
@@ -357,18 +357,29 @@ def _takes_as_is(weight: torch.Tensor, grad: Any, ptr: int | None, avoid: Any) -
 
 # On each region's runtime, under this name: (how many weights, a guard that
 # passes exactly the weights and gradients with the metadata of those of an
-# earlier W whose gradients all had their weight's layout): one C call instead
-# of a Python check per weight; a dW graph returns the same layouts every call.
-# Whether a gradient has its weight's layout (_in_weight_layout) is a function
-# of that metadata only, so the guard needs not know which weights it was made on.
+# earlier W, which of those gradients had their weight's layout): one C call
+# instead of a Python check per weight; a dW graph returns the same layouts
+# every call. Whether a gradient has its weight's layout (_in_weight_layout)
+# is a function of that metadata only, so the guard needs not know which
+# weights it was made on.
 _LAYOUT_GUARD = "_fxsplit_layout_guard"
 
 
-def _guarded(owner: Any, weights: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    """Whether the guard kept for ``owner`` passes ``weights`` and ``grads``:
-    then every pair is in its weight's layout (:func:`_in_weight_layout`)."""
+def _laid_out(owner: Any, weights: list[torch.Tensor], grads: list[Any]) -> tuple[bool, ...]:
+    """:func:`_in_weight_layout` for each pair of ``weights`` and ``grads``,
+    decided once per region (``owner``) and metadata of the pairs, then read
+    behind the guard kept for ``owner`` (:data:`_LAYOUT_GUARD`). Where a
+    gradient's layout is not its weight's (an expert's, transposed by its
+    grouped matmul) the decision is kept as well, so a W whose every call has
+    such a gradient does not check every pair again."""
     cached = getattr(owner, _LAYOUT_GUARD, None)
-    return cached is not None and cached[0] == len(weights) and cached[1](*weights, *grads)
+    if cached is not None and cached[0] == len(weights) and cached[1](*weights, *grads):
+        return cached[2]  # type: ignore[no-any-return]
+    laid_out = tuple(_in_weight_layout(w, g) for w, g in zip(weights, grads))
+    guard = ti.metadata_guard([*weights, *grads]) if weights else None
+    if guard is not None:
+        setattr(owner, _LAYOUT_GUARD, (len(weights), guard, laid_out))
+    return laid_out
 
 
 def _taken(
@@ -376,22 +387,15 @@ def _taken(
 ) -> list[bool]:
     """:func:`_takes_as_is` for each pair of ``record``'s (``ptrs``: the
     gradients' storages; ``shared``: storages other gradients of this W have
-    too). The layout is decided once per region and set of weights, then
-    guarded (:func:`fxsplit._torch_internals.metadata_guard`); where it holds
-    and no gradient is a view or anyone else's, every pair is decided at
-    once (C-level passes, the live-ins read only as far as that needs)."""
-    if _guarded(record.owner, weights, grads):
-        if all(map(operator.is_, map(_base_of, grads), _NONES)) and shared.isdisjoint(ptrs) and (
-            None not in ptrs and record.holds_none_of(set(ptrs))
-        ):
-            return [True] * len(weights)
-        laid_out = [True] * len(weights)
-    else:
-        laid_out = [_in_weight_layout(w, g) for w, g in zip(weights, grads)]
-        if weights and all(laid_out):
-            guard = ti.metadata_guard([*weights, *grads])
-            if guard is not None:
-                setattr(record.owner, _LAYOUT_GUARD, (len(weights), guard))
+    too). The layouts are read behind a guard (:func:`_laid_out`); where every
+    gradient has its weight's and none is a view or anyone else's, every pair
+    is decided at once (C-level passes, the live-ins read only as far as that
+    needs)."""
+    laid_out = _laid_out(record.owner, weights, grads)
+    if all(laid_out) and all(map(operator.is_, map(_base_of, grads), _NONES)) and shared.isdisjoint(ptrs) and (
+        None not in ptrs and record.holds_none_of(set(ptrs))
+    ):
+        return [True] * len(weights)
     avoid = shared | record.held_elsewhere
     return [ok and g._base is None and p not in avoid for ok, g, p in zip(laid_out, grads, ptrs)]
 
@@ -1053,18 +1057,18 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
                     taken_grads += grads
                     results[i] = _NONE
                     continue
-                picked: Sequence[int] = range(len(weights))
             else:
-                picked = [k for k, w in enumerate(weights) if id(w) in plan.take]
-                if not picked:
+                picked = list(map(plan.take.__contains__, map(id, weights)))
+                if not any(picked):
                     continue
-                ok = _taken(self.compiled[i], [weights[k] for k in picked], [grads[k] for k in picked],
-                            [mine[k] for k in picked], shared)
-            taken = {k for k, yes in zip(picked, ok) if yes}
-            taken_weights += [weights[k] for k in sorted(taken)]
-            taken_grads += [grads[k] for k in sorted(taken)]
-            rest = [k for k in range(len(weights)) if k not in taken]
-            results[i] = [weights[k] for k in rest], [accumulators[k] for k in rest], [grads[k] for k in rest]
+                chosen = iter(_taken(self.compiled[i], list(itertools.compress(weights, picked)),
+                                     list(itertools.compress(grads, picked)), list(itertools.compress(mine, picked)), shared))
+                ok = [p and next(chosen) for p in picked]  # (the picked weights' answers, in place)
+            rest = list(map(operator.not_, ok))
+            taken_weights += itertools.compress(weights, ok)
+            taken_grads += itertools.compress(grads, ok)
+            results[i] = (list(itertools.compress(weights, rest)), list(itertools.compress(accumulators, rest)),
+                          list(itertools.compress(grads, rest)))
         return taken_weights, taken_grads
 
     def _engine_commits(

@@ -519,6 +519,71 @@ def test_what_can_change_between_steps_is_decided_again_every_w(compiler: str) -
             h.remove()
 
 
+class TransposedExperts(nn.Module):
+    """Expert weights stored ``(experts, out, in)`` and multiplied transposed,
+    as transformers stores an MoE's (a grouped matmul with
+    ``w.transpose(1, 2)``): each one's gradient comes out of the dW graph
+    transposed, not in its weight's layout, and autograd copies it into the
+    weight's. Between two plain Linears, whose gradients W takes as they are."""
+
+    def __init__(self, experts: int = 3, dim: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, dim, bias=False)
+        self.experts = nn.Parameter(torch.randn(experts, dim, dim) / 4)
+        self.down = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.fxsplit_test.expert_mm(self.up(x), self.experts.transpose(1, 2), offs)
+        return self.down(torch.tanh(h))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_gradients_in_another_layout_than_their_weights_are_decided_once(compiler: str) -> None:
+    """Which of a region's weight gradients have their weight's layout is
+    decided at the first W and read behind the layout guard at every W
+    after it, also where one does not (it goes to autograd's engine, which
+    copies it into the weight's layout): no later W checks the weights one
+    by one (before: every W did, for every weight of the region). Every W
+    gives ordinary backward's gradients and ``.grad`` strides on an
+    identical copy."""
+    import zoo  # noqa: F401 - registers fxsplit_test::expert_mm and its split rule
+    from fxsplit import pending
+
+    torch.manual_seed(0)
+    base = TransposedExperts()
+    mod, ref = copy.deepcopy(base), copy.deepcopy(base)
+    backend = fxsplit.backend(compiler=compiler)
+    compiled, ordinary = torch.compile(mod, backend=backend), torch.compile(ref, backend=backend)
+    params, refs = list(mod.parameters()), list(ref.parameters())
+    offs = torch.tensor([3, 3, 10])  # (an expert without tokens)
+    per_weight: list[bool] = []
+    real_layout = pending._in_weight_layout
+
+    def deciding(*args: Any) -> bool:
+        per_weight.append(real_layout(*args))
+        return per_weight[-1]
+
+    pending._in_weight_layout = deciding
+    try:
+        for step in range(4):
+            for p, q in zip(params, refs):
+                p.grad = q.grad = None
+            per_weight.clear()
+            x, g = torch.randn(10, 16), torch.randn(10, 16)
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            (dx, _), work = fxsplit.stage_backward_input([compiled(xa, offs)], [g], [xa, offs], params)
+            fxsplit.stage_backward_weight(params, work)
+            ordinary(xb, offs).backward(g)
+            torch.testing.assert_close(dx, xb.grad)
+            for (name, p), q in zip(mod.named_parameters(), refs):
+                assert p.grad.stride() == q.grad.stride(), (step, name)
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step}: {name}: {m}")
+            assert sorted(work.handed_over) == [1, 2], step  # (experts, parameter 0: through the engine)
+            assert sorted(per_weight) == ([False, True, True] if step == 0 else []), (step, per_weight)
+    finally:
+        pending._in_weight_layout = real_layout
+
+
 def test_storage_pointers_in_bulk() -> None:
     """``storage_ptrs``: each plain tensor's storage, other values skipped, in
     bulk where every tensor starts its storage and per tensor otherwise."""
