@@ -200,7 +200,6 @@ def trace_split_rule(node: fx.Node, outputs: frozenset[int]) -> fx.GraphModule |
 # op is in a backward graph.
 
 
-@torch.library.custom_op("fxsplit::grouped_mm_input_grad", mutates_args=())
 def _grouped_mm_input_grad(grad_output: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``grad_input[rows of g] = grad_output[rows of g] @ weight[g].T`` for the
     row groups ending at ``offs`` (``weight``: ``(groups, in, out)``); rows past
@@ -214,12 +213,6 @@ def _grouped_mm_input_grad(grad_output: torch.Tensor, weight: torch.Tensor, offs
     return grad_input
 
 
-@_grouped_mm_input_grad.register_fake
-def _(grad_output: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return grad_output.new_empty(grad_output.size(0), weight.size(1))
-
-
-@torch.library.custom_op("fxsplit::grouped_mm_weight_grad", mutates_args=())
 def _grouped_mm_weight_grad(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``grad_weight[g] = input[rows of g].T @ grad_output[rows of g]`` for the
     row groups ending at ``offs``; groups without rows get zeros."""
@@ -232,9 +225,20 @@ def _grouped_mm_weight_grad(input: torch.Tensor, grad_output: torch.Tensor, offs
     return grad_weight
 
 
-@_grouped_mm_weight_grad.register_fake
-def _(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return input.new_empty(offs.size(0), input.size(1), grad_output.size(1))
+# Defined as plain library ops (a schema, a kernel, a meta kernel): the
+# dispatcher calls each kernel directly. They run in backward graphs only
+# (no autograd), once per MoE layer and microbatch in B and again in W,
+# where torch.library.custom_op's Python wrappers would cost B and W about
+# 55 lines of Python per call.
+_LIB = torch.library.Library("fxsplit", "FRAGMENT")
+_LIB.define("grouped_mm_input_grad(Tensor grad_output, Tensor weight, Tensor offs) -> Tensor")
+_LIB.impl("grouped_mm_input_grad", _grouped_mm_input_grad, "CompositeExplicitAutograd")
+_LIB.impl("grouped_mm_input_grad", lambda grad_output, weight, offs: grad_output.new_empty(
+    grad_output.size(0), weight.size(1)), "Meta")
+_LIB.define("grouped_mm_weight_grad(Tensor input, Tensor grad_output, Tensor offs) -> Tensor")
+_LIB.impl("grouped_mm_weight_grad", _grouped_mm_weight_grad, "CompositeExplicitAutograd")
+_LIB.impl("grouped_mm_weight_grad", lambda input, grad_output, offs: input.new_empty(
+    offs.size(0), input.size(1), grad_output.size(1)), "Meta")
 
 
 @register_flop_formula(torch.ops.fxsplit.grouped_mm_input_grad)
