@@ -84,6 +84,26 @@ def _symbol(value: Any) -> Any:
     return None
 
 
+def _evaluator(exprs: Sequence[Any]) -> tuple[tuple[str, ...], Callable[..., tuple[int, ...]]] | None:
+    """The names of the symbols of ``exprs`` (ints and sympy expressions) and
+    a Python function of their values returning the values of ``exprs``,
+    where every expression is built of integers and symbols by sums,
+    products and powers (a size or stride in Inductor's terms); else
+    ``None``. A call costs a tuple of integer operations."""
+    symbols: set[Any] = set()
+    for e in exprs:
+        if isinstance(e, int):
+            continue
+        for node in sympy.preorder_traversal(e):
+            if node.is_Symbol:
+                symbols.add(node)
+            elif not (node.is_Integer or node.is_Add or node.is_Mul or (node.is_Pow and node.exp.is_nonnegative)):
+                return None
+    order = tuple(sorted(map(str, symbols)))
+    source = f"lambda {', '.join(order)}: ({', '.join(map(str, exprs))},)"
+    return order, eval(source, {"__builtins__": {}})  # noqa: S307 - sympy's printing of the expressions above
+
+
 def _hint(value: Any) -> int:
     """An example value of a size (its hint when symbolic)."""
     if isinstance(value, torch.SymInt):
@@ -103,7 +123,8 @@ class TensorLayout:
     its symbols' values (:meth:`exact`).
     """
 
-    __slots__ = ("rank", "dtype", "device", "static", "size", "stride", "ones", "order", "strides", "zeros", "exprs")
+    __slots__ = ("rank", "dtype", "device", "static", "size", "stride", "ones", "order", "strides", "zeros", "exprs",
+                 "_evaluate")
 
     def __init__(self, value: torch.Tensor, strides: bool = True) -> None:
         # strides=False: only the shape and dtype matter to the consumer (autograd
@@ -125,19 +146,25 @@ class TensorLayout:
         self.order = tuple(k for k in sorted(range(self.rank), key=lambda k: (hints[k], k)) if k not in self.zeros)
         self.exprs: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None if self.static else (
             tuple(map(_expr, value.shape)), tuple(map(_expr, value.stride())))
+        self._evaluate = None if self.exprs is None else _evaluator(self.exprs[0] + self.exprs[1])
 
-    def exact(self, env: dict[Any, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """The sizes and strides expected, given ``env`` (symbol -> sympy
-        integer), or ``None`` where a symbol of them has no value there."""
+    def exact(self, env: dict[str, int] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The sizes and strides expected, given ``env`` (a symbol's name ->
+        its value), or ``None`` where a symbol of them has no value there."""
         if self.exprs is None or not env:
             return None
         try:
-            sizes, strides = (tuple(e if type(e) is int else int(e.xreplace(env)) for e in part) for part in self.exprs)
-        except TypeError:  # a symbol env has no value for
+            if self._evaluate is not None:
+                names, evaluate = self._evaluate
+                values = evaluate(*map(env.__getitem__, names))
+            else:  # (an expression of other functions: sympy evaluates it)
+                values = tuple(e if type(e) is int else int(e.xreplace({x: env[str(x)] for x in e.free_symbols}))
+                               for e in self.exprs[0] + self.exprs[1])
+        except (KeyError, TypeError):  # a symbol env has no value for
             return None
-        return sizes, strides
+        return values[:self.rank], values[self.rank:]
 
-    def matches(self, t: torch.Tensor, env: dict[Any, Any] | None = None) -> bool:
+    def matches(self, t: torch.Tensor, env: dict[str, int] | None = None) -> bool:
         """Whether ``t`` is laid out as expected (the per-call check); ``env``:
         the call's values of the layout's symbols, where known."""
         if t.dtype != self.dtype:
@@ -205,7 +232,7 @@ class TensorLayout:
             expected *= size[k]
         return tuple(stride)
 
-    def conform(self, t: torch.Tensor, env: dict[Any, Any] | None = None) -> tuple[torch.Tensor, str]:
+    def conform(self, t: torch.Tensor, env: dict[str, int] | None = None) -> tuple[torch.Tensor, str]:
         """``t`` laid out as expected (``env``: as in :meth:`matches`), and what
         was done (``"view"`` or ``"copy"``).
 
@@ -288,14 +315,14 @@ class BoundaryGuard:
         # symbol -> where its value is: (position, None) an integer, (position, k)
         # dimension k of a tensor, (position, k, rank) that tensor's rank, which it
         # must have for its sizes to be read so. Integers first: they are the values.
-        self._symbols: dict[Any, tuple[int, int | None, int]] = {}
+        self._symbols: dict[str, tuple[int, int | None, int]] = {}
         for i, v in enumerate(expected):
             if _symbol(v) is not None:
-                self._symbols.setdefault(_symbol(v), (i, None, 0))
+                self._symbols.setdefault(str(_symbol(v)), (i, None, 0))
         for i, _, layout in self._checks:
             for k, size in enumerate(expected[i].shape):
                 if _symbol(size) is not None:
-                    self._symbols.setdefault(_symbol(size), (i, k, layout.rank))
+                    self._symbols.setdefault(str(_symbol(size)), (i, k, layout.rank))
         # name -> what was found and what was done, for inspection (first occurrence).
         self.adapted: dict[str, str] = {}
         self._reported: set[str] = set()
@@ -321,7 +348,7 @@ class BoundaryGuard:
             self._fast = None
             self._fast_state = "untried" if self._guards_made < _MAX_GUARDS else "off"
         conformed = False
-        env: dict[Any, Any] | None = None
+        env: dict[str, int] | None = None
         for i, size, stride, dtype, k in self._exact:
             t = values[i]
             if (
@@ -345,18 +372,18 @@ class BoundaryGuard:
             self._fast_state = "on" if self._fast is not None else "off"
         return values
 
-    def _env(self, values: list[Any]) -> dict[Any, Any]:
-        """The call's value of each symbol that can be read off ``values``."""
-        env: dict[Any, Any] = {}
+    def _env(self, values: list[Any]) -> dict[str, int]:
+        """The call's value of each symbol (by name) that can be read off ``values``."""
+        env: dict[str, int] = {}
         for symbol, (i, k, rank) in self._symbols.items():
             v = values[i]
             if k is None and isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
-                env[symbol] = sympy.Integer(int(v))
+                env[symbol] = int(v)
             elif k is not None and isinstance(v, torch.Tensor) and v.dim() == rank:
-                env[symbol] = sympy.Integer(v.shape[k])
+                env[symbol] = v.shape[k]
         return env
 
-    def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor, env: dict[Any, Any] | None = None) -> torch.Tensor:
+    def _conform(self, name: str, layout: TensorLayout, t: torch.Tensor, env: dict[str, int] | None = None) -> torch.Tensor:
         try:
             out, how = layout.conform(t, env)
         except LayoutMismatch as e:

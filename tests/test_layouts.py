@@ -263,6 +263,25 @@ def test_a_symbolic_slice_of_a_wider_buffer_is_checked_at_its_strides() -> None:
     torch.testing.assert_close(out, h[..., :4], rtol=0, atol=0)
 
 
+def test_symbolic_sizes_of_other_functions_are_evaluated_too() -> None:
+    """A size Inductor writes with a floor division (``s0 // 2`` from an
+    unflatten) is evaluated by sympy at the symbol's value; without a value
+    for its symbol the layout has no exact sizes (density decides)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake = mode.from_tensor(torch.empty(6, 8), symbolic_context=ctx)
+    with mode:
+        halves = fake.unflatten(0, (2, -1))  # (2, s0 // 2, 8)
+    layout = TensorLayout(halves)
+    (name,) = {str(s) for e in layout.exprs[0] for s in getattr(e, "free_symbols", ())}
+    assert layout.exact({name: 10}) == ((2, 5, 8), (40, 8, 1))
+    assert layout.exact({}) is None and layout.exact({"another": 10}) is None
+    assert layout.matches(torch.empty(2, 5, 8), {name: 10}) and not layout.matches(torch.empty(2, 6, 8), {name: 10})
+
+
 class SliceOfCat(nn.Module):
     """``cat([h[..., :4] * w[:4], h[..., 4:]])``: dW reads ``h[..., :4]``, a
     slice of ``h`` (width 8), as the dI graph returns it."""
