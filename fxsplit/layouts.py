@@ -312,9 +312,10 @@ class BoundaryGuard:
             (i, layout.size, layout.stride if layout.strides else None, layout.dtype, k)
             for k, (i, _, layout) in enumerate(self._checks)
         )
-        # symbol -> where its value is: (position, None) an integer, (position, k)
-        # dimension k of a tensor, (position, k, rank) that tensor's rank, which it
-        # must have for its sizes to be read so. Integers first: they are the values.
+        # A symbol's name -> where the call's value of it is: (position, None, 0), the
+        # integer there; (position, k, rank), dimension k of the tensor there, read
+        # only where that tensor has the rank it was compiled for. Integers first:
+        # they are the values the consumer receives.
         self._symbols: dict[str, tuple[int, int | None, int]] = {}
         for i, v in enumerate(expected):
             if _symbol(v) is not None:
