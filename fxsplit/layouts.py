@@ -167,9 +167,15 @@ class TensorLayout:
     def matches(self, t: torch.Tensor, env: dict[str, int] | None = None) -> bool:
         """Whether ``t`` is laid out as expected (the per-call check); ``env``:
         the call's values of the layout's symbols, where known."""
+        return self._matches(t, self._known(env))
+
+    def _known(self, env: dict[str, int] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The exact sizes and strides expected: static, or :meth:`exact` at ``env``."""
+        return (self.size, self.stride) if self.static else self.exact(env)
+
+    def _matches(self, t: torch.Tensor, exact: tuple[tuple[int, ...], tuple[int, ...]] | None) -> bool:
         if t.dtype != self.dtype:
             return False
-        exact = (self.size, self.stride) if self.static else self.exact(env)
         if exact is not None:
             size, expected = exact
             if t.shape != size:
@@ -196,9 +202,7 @@ class TensorLayout:
         return True
 
     def _size_for(self, t: torch.Tensor, exact: tuple[tuple[int, ...], tuple[int, ...]] | None) -> tuple[int, ...]:
-        """The expected size, at ``t``'s sizes where it is symbolic and not ``exact``."""
-        if self.static:
-            return self.size
+        """The expected size: ``exact``'s, else at ``t``'s sizes where it is symbolic."""
         if exact is not None:
             return exact[0]
         if t.dim() == self.rank:
@@ -221,8 +225,7 @@ class TensorLayout:
         return tuple(1 if k in self.ones else next(it) for k in range(self.rank))
 
     def _stride_for(self, size: tuple[int, ...], exact: tuple[tuple[int, ...], tuple[int, ...]] | None) -> tuple[int, ...]:
-        if self.static:
-            return self.stride
+        """The expected strides: ``exact``'s, else dense in the expected order at ``size``."""
         if exact is not None:
             return exact[1]
         stride = [0] * self.rank  # (0 along the broadcast dimensions, which order leaves out)
@@ -240,7 +243,7 @@ class TensorLayout:
         elements or lives on another device."""
         if t.device != self.device and not (t.device.type == self.device.type == "meta"):
             raise LayoutMismatch(f"a tensor on {t.device} where {self.device} was expected")
-        exact = self.exact(env)
+        exact = self._known(env)
         size = self._size_for(t, exact)
         if t.numel() != math.prod(size):
             raise LayoutMismatch(f"a tensor of shape {tuple(t.shape)} where shape {size} was expected")
@@ -254,7 +257,7 @@ class TensorLayout:
             except RuntimeError:
                 t = t.reshape(size)
                 how = "copy"
-        if not self.matches(t, env):
+        if not self._matches(t, exact):
             out = torch.empty_strided(size, self._stride_for(size, exact), dtype=self.dtype, device=t.device)
             # Along a broadcast dimension every element of out is one memory location:
             # copy index 0 of t there (t is numerically the expanded value).
@@ -318,12 +321,12 @@ class BoundaryGuard:
         # they are the values the consumer receives.
         self._symbols: dict[str, tuple[int, int | None, int]] = {}
         for i, v in enumerate(expected):
-            if _symbol(v) is not None:
-                self._symbols.setdefault(str(_symbol(v)), (i, None, 0))
+            if (symbol := _symbol(v)) is not None:
+                self._symbols.setdefault(str(symbol), (i, None, 0))
         for i, _, layout in self._checks:
             for k, size in enumerate(expected[i].shape):
-                if _symbol(size) is not None:
-                    self._symbols.setdefault(str(_symbol(size)), (i, k, layout.rank))
+                if (symbol := _symbol(size)) is not None:
+                    self._symbols.setdefault(str(symbol), (i, k, layout.rank))
         # name -> what was found and what was done, for inspection (first occurrence).
         self.adapted: dict[str, str] = {}
         self._reported: set[str] = set()
