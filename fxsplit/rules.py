@@ -56,6 +56,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import register_flop_formula
 
 from fxsplit import _torch_internals as ti
+from fxsplit.passes.layout import is_dense
 from fxsplit.passes.shared import KEEP_WHOLE, op_name
 
 __all__ = [
@@ -193,7 +194,10 @@ def trace_split_rule(node: fx.Node, outputs: frozenset[int]) -> fx.GraphModule |
 # used) run ``transformers::grouped_mm_fallback(input, weight, offs)``, whose
 # backward is one custom op returning (grad_input, grad_weight). Its rule uses
 # two ops of fxsplit's own, each computing one of the two gradients exactly as
-# that backward does (the same matmul per group of rows, into the same layout),
+# that backward does (the same matmul per group of rows, into the same layout:
+# the weight gradient laid out like the weight it is given, which is the
+# transpose of transformers' stored experts, so that transposed back it has
+# their layout and W keeps it as the new .grad with no copy),
 # so the split gradients equal the unsplit ones bit for bit, and each has a
 # FlopCounterMode formula (2 * rows * in * out: the matmul work of one
 # gradient). Nothing here imports transformers: the rule applies only when the
@@ -213,16 +217,30 @@ def _grouped_mm_input_grad(grad_output: torch.Tensor, weight: torch.Tensor, offs
     return grad_input
 
 
-def _grouped_mm_weight_grad(input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_weight_grad(
+    input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor, strides: list[int] | None = None
+) -> torch.Tensor:
     """``grad_weight[g] = input[rows of g].T @ grad_output[rows of g]`` for the
-    row groups ending at ``offs``; groups without rows get zeros."""
-    grad_weight = input.new_zeros(offs.size(0), input.size(1), grad_output.size(1))
+    row groups ending at ``offs``; groups without rows get zeros. ``strides``:
+    the gradient's (the weight's, as ``torch.zeros_like(weight)`` lays it out),
+    else contiguous."""
+    sizes = (offs.size(0), input.size(1), grad_output.size(1))
+    grad_weight = input.new_zeros(sizes) if strides is None else input.new_empty_strided(sizes, strides).zero_()
     start = 0
     for g, end in enumerate(offs.tolist()):
         if end > start:
             torch.mm(input[start:end].T, grad_output[start:end], out=grad_weight[g])
         start = end
     return grad_weight
+
+
+def _strides_like(weight: torch.Tensor) -> list[int] | None:
+    """The strides ``torch.zeros_like(weight)`` gives (the weight's own where
+    it is non-overlapping and dense, static), or ``None`` for contiguous."""
+    strides = weight.stride()
+    if all(type(s) is int for s in (*weight.shape, *strides)) and is_dense(weight.shape, strides):
+        return list(strides)
+    return None
 
 
 # Defined as plain library ops (a schema, a kernel, a meta kernel): the
@@ -235,10 +253,12 @@ _LIB.define("grouped_mm_input_grad(Tensor grad_output, Tensor weight, Tensor off
 _LIB.impl("grouped_mm_input_grad", _grouped_mm_input_grad, "CompositeExplicitAutograd")
 _LIB.impl("grouped_mm_input_grad", lambda grad_output, weight, offs: grad_output.new_empty(
     grad_output.size(0), weight.size(1)), "Meta")
-_LIB.define("grouped_mm_weight_grad(Tensor input, Tensor grad_output, Tensor offs) -> Tensor")
+_LIB.define("grouped_mm_weight_grad(Tensor input, Tensor grad_output, Tensor offs, int[]? strides=None) -> Tensor")
 _LIB.impl("grouped_mm_weight_grad", _grouped_mm_weight_grad, "CompositeExplicitAutograd")
-_LIB.impl("grouped_mm_weight_grad", lambda input, grad_output, offs: input.new_empty(
-    offs.size(0), input.size(1), grad_output.size(1)), "Meta")
+_LIB.impl("grouped_mm_weight_grad", lambda input, grad_output, offs, strides=None: (
+    input.new_empty((offs.size(0), input.size(1), grad_output.size(1)))
+    if strides is None else input.new_empty_strided((offs.size(0), input.size(1), grad_output.size(1)), strides)
+), "Meta")
 
 
 @register_flop_formula(torch.ops.fxsplit.grouped_mm_input_grad)
@@ -249,7 +269,9 @@ def _grouped_mm_input_grad_flops(grad_output_shape: Any, weight_shape: Any, offs
 
 
 @register_flop_formula(torch.ops.fxsplit.grouped_mm_weight_grad)
-def _grouped_mm_weight_grad_flops(input_shape: Any, grad_output_shape: Any, offs_shape: Any, **kwargs: Any) -> int:
+def _grouped_mm_weight_grad_flops(
+    input_shape: Any, grad_output_shape: Any, offs_shape: Any, strides: Any = None, **kwargs: Any
+) -> int:
     # Each row contributes one (in x out) outer product to its expert's gradient.
     rows, in_features = input_shape
     return 2 * rows * in_features * grad_output_shape[1]
@@ -263,7 +285,8 @@ def grouped_mm_backward_rule(
     (``weight``: ``(groups, in, out)``; ``offs``: cumulative row counts), such as
     ``transformers::grouped_mm_fallback_backward``."""
     grad_input = torch.ops.fxsplit.grouped_mm_input_grad(grad_output, weight, offs) if 0 in outputs else None
-    grad_weight = torch.ops.fxsplit.grouped_mm_weight_grad(input, grad_output, offs) if 1 in outputs else None
+    grad_weight = (torch.ops.fxsplit.grouped_mm_weight_grad(input, grad_output, offs, _strides_like(weight))
+                   if 1 in outputs else None)
     return grad_input, grad_weight
 
 

@@ -353,6 +353,41 @@ def test_transformers_grouped_mm_fallback_is_split() -> None:
     check_grouped_rule_split(fxsplit.compiled_regions()[-1].split, "transformers::grouped_mm_fallback_backward")
 
 
+class StoredTransposedExperts(nn.Module):
+    """Expert weights stored ``(experts, out, in)`` and multiplied as
+    ``(experts, in, out)`` views, as transformers' MoE layers do."""
+
+    def __init__(self, mm: Any, experts: int = 3, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.mm = mm
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) / 4)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) / 4)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return self.mm(F.silu(self.mm(x, self.w1.transpose(1, 2), offs)), self.w2.transpose(1, 2), offs)
+
+
+@pytest.mark.inductor
+def test_shipped_rule_gives_the_weight_gradient_the_layout_of_transformers_op() -> None:
+    """transformers' backward lays the weight gradient out like the weight it
+    is given (``zeros_like``): for experts multiplied transposed, transposed
+    back it has the stored weight's layout, so autograd keeps it as the new
+    ``.grad``. The shipped rule's half does the same: W takes both experts'
+    gradients as they are (no engine call, no copy), with ordinary
+    backward's values and ``.grad`` strides, microbatch after microbatch."""
+    pytest.importorskip("transformers.integrations.moe", reason="transformers is not installed")
+    torch.manual_seed(0)
+    model = StoredTransposedExperts(torch.ops.transformers.grouped_mm_fallback)
+    ref = copy.deepcopy(model)
+    stage = torch.compile(model, backend=fxsplit.backend(fused_backward=False))
+    for offs in ([4, 4, 10], [2, 7, 10]):  # (an expert without tokens)
+        work = run_split(model, stage, [torch.randn(10, 16, requires_grad=True), torch.tensor(offs)], ref)
+        assert sorted(work.handed_over) == [0, 1], offs
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.grad.stride() == q.grad.stride() == p.stride(), offs
+    check_grouped_rule_split(fxsplit.compiled_regions()[-1].split, "transformers::grouped_mm_fallback_backward")
+
+
 # ---- torch's grouped_mm: two separate ops, split by reachability -------------------------
 
 
