@@ -41,7 +41,6 @@ from typing import Any
 import networkx as nx
 from networkx.algorithms.flow import boykov_kolmogorov
 import sympy
-import torch
 import torch.fx as fx
 
 from fxsplit.passes.memory import held_bytes, provably_at_most, size_lower_bounds, storage_root, value_bytes
