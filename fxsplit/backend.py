@@ -538,11 +538,19 @@ def _compile_split_backward(
     _logging.publish_split(name, split)  # fxsplit_graphs artifact and structured trace
 
     graphs = _RegionGraphs(name, opts, opts.resolved_fallback(), bw, split, example_inputs, kwargs)
-    graphs.weight_layouts = {
-        k: weights[layout.owners[i]] for k, i in enumerate(split.dw_outputs)  # type: ignore[misc]
-        if layout.owners[i] is not None and not layout.parts[i] and layout.owners[i] < len(weights)
-        and weights[layout.owners[i]] is not None
-    }
+    # The dW graph writes each weight's gradient in the weight's layout, the
+    # copy autograd makes into an empty .grad, so W can take it. Not where
+    # no accumulating dW graph can be compiled (Inductor, symbolic sizes):
+    # every later microbatch would then add that copy, not the gradient,
+    # into .grad through the engine, one more pass over it than ordinary
+    # backward makes. (Elsewhere that remains where W accumulates through
+    # the engine: fused_accumulation=False, a hooked weight, a grad_dtype.)
+    if not (opts.compiler == "inductor" and graphs.dynamic):
+        graphs.weight_layouts = {
+            k: weights[layout.owners[i]] for k, i in enumerate(split.dw_outputs)  # type: ignore[misc]
+            if layout.owners[i] is not None and not layout.parts[i] and layout.owners[i] < len(weights)
+            and weights[layout.owners[i]] is not None
+        }
     region = CompiledSplitBackward(
         split,
         graphs,

@@ -646,6 +646,36 @@ def test_dw_writes_a_transposed_gradient_in_its_weights_layout(compiler: str) ->
             assert params.index(mod.w) in work.handed_over, (step, work.handed_over)  # (taken: no engine call)
 
 
+@pytest.mark.inductor
+def test_a_dynamic_region_leaves_the_copy_to_autograd() -> None:
+    """An Inductor region with symbolic sizes has no accumulating dW graph:
+    later microbatches add the dW graph's output into ``.grad`` through the
+    engine, so that output stays the gradient itself (no copy in the graph
+    that every microbatch would pay for) and autograd copies it into an
+    empty ``.grad``, as in ordinary backward. Values and strides are
+    ordinary backward's at every batch size."""
+    torch.manual_seed(0)
+    base = StoredTransposed()
+    mod, ref = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = torch.compile(mod, backend=fxsplit.backend(), dynamic=True)
+    params = list(mod.parameters())
+    for step, rows in enumerate((5, 7, 6)):
+        if step < 2:
+            for p, q in zip(params, ref.parameters()):
+                p.grad = q.grad = None
+        x, g = torch.randn(3, rows, 16), torch.randn(3, rows, 8)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (dx,), work = fxsplit.stage_backward_input([compiled(xa)], [g], [xa], params)
+        fxsplit.stage_backward_weight(params, work)
+        ref(xb).backward(g)
+        torch.testing.assert_close(dx, xb.grad)
+        for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step}: {name}: {m}")
+            assert p.grad.stride() == q.grad.stride() == p.stride(), (step, name)
+        if step < 2:
+            assert params.index(mod.w) not in work.handed_over, (step, work.handed_over)
+
+
 def test_lay_out_like_is_a_pure_pass() -> None:
     """Only outputs not already in their weight's layout get a copy into it
     (a dense weight's strides; contiguous for one that is not dense); the
