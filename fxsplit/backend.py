@@ -34,7 +34,6 @@ from fxsplit import _torch_internals as ti
 from fxsplit.gradient_layout import GradientLayout, UnidentifiedGradients
 from fxsplit.passes import SplitResult, split_backward
 from fxsplit.passes.accumulate import accumulate_into
-from fxsplit.passes.layout import WeightLayout, lay_out_like
 from fxsplit.runtime import CompiledSplitBackward
 from fxsplit.rules import trace_split_rule
 
@@ -362,9 +361,6 @@ class _RegionGraphs:
         self._run_di: ti.BoxedCallable | None = None
         self._dw_examples: list[Any] | None = None
         self._dw_static: list[int] = []
-        # Per dW output that is a plain weight's gradient, that weight's
-        # layout: the dW graphs write it so (fxsplit.passes.layout).
-        self.weight_layouts: dict[int, WeightLayout] = {}
         # Set while the frame compiles: a failure then is the whole region's
         # (it runs eagerly), not one graph's.
         self.frame_build: _RegionBuild | None = None
@@ -475,7 +471,7 @@ class _RegionGraphs:
 
     def _compile_dw(self) -> ti.BoxedCallable:
         examples, static = self._dw_inputs()
-        dw_gm = lay_out_like(self._split.dw_graph, self.weight_layouts)
+        dw_gm = self._split.dw_graph
         ti.mark_user_visible_outputs(dw_gm, range(len(self._split.dw_outputs)))
         return self._inner(dw_gm, list(examples), **{**self._split_kwargs, "static_input_idxs": static})
 
@@ -493,7 +489,6 @@ class _RegionGraphs:
                 t0 = time.perf_counter()
                 gm = accumulate_into(self._split.dw_graph, positions, matmul_into=ti.ADDMM_INTO,
                                     brackets=(ti.ACCUMULATION_BEGINS, ti.ACCUMULATION_ENDS))
-                gm = lay_out_like(gm, {k: v for k, v in self.weight_layouts.items() if k not in positions})
                 examples, static = self._dw_inputs()
                 examples = list(examples) + [ti.fake_like(g, examples) for g in grads]
                 outs = self._split.dw_outputs
@@ -516,12 +511,7 @@ def _compile_split_backward(
     is_tensor: Sequence[bool],
     opts: BackendOptions,
     build: _RegionBuild,
-    weights: Sequence[WeightLayout | None] = (),
 ) -> CompiledSplitBackward:
-    """The split backward of a region (``bw``: AOTAutograd's backward graph;
-    ``weights``: per forward input, a strided weight's sizes and strides, which
-    its gradient is written in (:func:`fxsplit.passes.layout.lay_out_like`),
-    else ``None``)."""
     name = build.name
     build.graph = "split"
     layout = _gradient_layout(bw, is_tensor)
@@ -538,19 +528,6 @@ def _compile_split_backward(
     _logging.publish_split(name, split)  # fxsplit_graphs artifact and structured trace
 
     graphs = _RegionGraphs(name, opts, opts.resolved_fallback(), bw, split, example_inputs, kwargs)
-    # The dW graph writes each weight's gradient in the weight's layout, the
-    # copy autograd makes into an empty .grad, so W can take it. Not where
-    # no accumulating dW graph can be compiled (Inductor, symbolic sizes):
-    # every later microbatch would then add that copy, not the gradient,
-    # into .grad through the engine, one more pass over it than ordinary
-    # backward makes. (Elsewhere that remains where W accumulates through
-    # the engine: fused_accumulation=False, a hooked weight, a grad_dtype.)
-    if not (opts.compiler == "inductor" and graphs.dynamic):
-        graphs.weight_layouts = {
-            k: weights[layout.owners[i]] for k, i in enumerate(split.dw_outputs)  # type: ignore[misc]
-            if layout.owners[i] is not None and not layout.parts[i] and layout.owners[i] < len(weights)
-            and weights[layout.owners[i]] is not None
-        }
     region = CompiledSplitBackward(
         split,
         graphs,
@@ -591,15 +568,12 @@ def _compile_region(
 ) -> Callable[..., Any]:
     is_param = [isinstance(e, torch.nn.Parameter) for e in example_inputs]
     is_tensor = [isinstance(e, torch.Tensor) for e in example_inputs]
-    # Each weight's layout, which its gradient is written in (fxsplit.passes.layout).
-    weights = [(tuple(e.shape), tuple(e.stride())) if p and e.layout == torch.strided else None
-               for e, p in zip(example_inputs, is_param)]
     inner = _inner_compile_for(opts)
     ti.watch_node_hooks()  # before the region's first node exists (see fxsplit.api._direct_call)
 
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> ti.BoxedCallable:
         if kw.get("is_backward"):
-            return _compile_split_backward(g, ex, kw, is_param, is_tensor, opts, build, weights)
+            return _compile_split_backward(g, ex, kw, is_param, is_tensor, opts, build)
         build.graph = "forward"
         compiled = inner(g, ex, **kw)
         build.graph = "aot"

@@ -56,7 +56,6 @@ import torch.fx as fx
 from torch.utils.flop_counter import register_flop_formula
 
 from fxsplit import _torch_internals as ti
-from fxsplit.passes.layout import is_dense
 from fxsplit.passes.shared import KEEP_WHOLE, op_name
 
 __all__ = [
@@ -237,10 +236,15 @@ def _grouped_mm_weight_grad(
 def _strides_like(weight: torch.Tensor) -> list[int] | None:
     """The strides ``torch.zeros_like(weight)`` gives (the weight's own where
     it is non-overlapping and dense, static), or ``None`` for contiguous."""
-    strides = weight.stride()
-    if all(type(s) is int for s in (*weight.shape, *strides)) and is_dense(weight.shape, strides):
-        return list(strides)
-    return None
+    sizes, strides = weight.shape, weight.stride()
+    if not all(type(s) is int for s in (*sizes, *strides)):
+        return None
+    expected = 1  # (dense: the strides, smallest first, are the products of the sizes below them)
+    for stride, size in sorted((st, sz) for sz, st in zip(sizes, strides) if sz != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return list(strides)
 
 
 # Defined as plain library ops (a schema, a kernel, a meta kernel): the
