@@ -22,7 +22,11 @@ graph, once for dI and once for dW, so it must be written in torch operations
 (ATen or custom ops with a fake implementation). Returning ``NotImplemented``
 declines: the op then runs whole in dI, reported as weight work in B. A rule
 whose outputs differ in dtype or shape from the op's fails the region's
-compile with a message naming the rule.
+compile with a message naming the rule. Give them the op's strides too (its
+fake implementation's): the rest of the graph was traced for those. Other
+strides are correct but may cost a copy, e.g. a weight gradient that ends up
+in another layout than its weight's, which W hands to autograd to copy
+where ``.grad`` is empty.
 
 Ops with an ``output_mask`` argument (``convolution_backward`` and friends)
 need no rule: the split runs them twice with complementary masks. A rule
