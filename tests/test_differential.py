@@ -17,7 +17,7 @@ microbatches:
   (inner compiler ``"eager"``, some seeds Inductor) or uncompiled (fxsplit's
   eager split), driven by ``stage_backward_input`` / ``stage_backward_weight``;
 * the same, driven by ordinary backward (the contract: identical input
-  gradients, ``.grad`` values, dtypes and None-ness, hook calls);
+  gradients, ``.grad`` values, dtypes, strides and None-ness, hook calls);
 * plain eager autograd (values; for compiled stages, a parameter eager leaves
   ``None`` may hold zeros and its hooks may see them: torch.compile's own
   behaviour, docs/semantics.md, pytorch/pytorch#131794).
@@ -327,7 +327,7 @@ def _run(model: nn.Module, fn: Any, seed: int, split: bool) -> tuple[list[list[t
             for mb in range(2):
                 torch.autograd.backward(outs[mb], ograds[mb])
                 dxs.append([ins[mb][0].grad])
-        grads_after.append([None if p.grad is None else (p.grad.clone(), p.grad.dtype) for p in weights])
+        grads_after.append([None if p.grad is None else (p.grad.clone(), p.grad.dtype, p.grad.stride()) for p in weights])
     return dxs, grads_after
 
 
@@ -342,7 +342,9 @@ def _tolerances(model: Stage, against_eager: bool) -> dict[str, float]:
     return dict(rtol=2e-2, atol=2e-2) if low else dict(rtol=1e-4, atol=1e-5)
 
 
-def _compare(what: str, got: Any, want: Any, tol: dict[str, float], zeros_for_none: bool) -> None:
+def _compare(
+    what: str, got: Any, want: Any, tol: dict[str, float], zeros_for_none: bool, strides: bool = False
+) -> None:
     for step, (gs, ws) in enumerate(zip(got, want)):
         for k, (g, w) in enumerate(zip(gs, ws)):
             where = f"{what}: step {step} item {k}"
@@ -355,6 +357,7 @@ def _compare(what: str, got: Any, want: Any, tol: dict[str, float], zeros_for_no
                 continue
             if isinstance(g, tuple):
                 assert g[1] == w[1], f"{where}: dtype {g[1]} vs {w[1]}"
+                assert not strides or g[2] == w[2], f"{where}: strides {g[2]} vs {w[2]}"
                 g, w = g[0], w[0]
             torch.testing.assert_close(g, w, **tol, msg=lambda m, where=where: f"{where}: {m}")
 
@@ -388,7 +391,7 @@ def _one(seed: int, mode: str) -> None:
         assert sum(r.stats["di_runs"] for r in new) > 0, "no compiled region ran a dI graph"
     # The contract: B then W is ordinary backward on the same stage.
     _compare("input grads vs ordinary backward", dx, dx_o, tol, zeros_for_none=False)
-    _compare(".grad vs ordinary backward", grads, grads_o, tol, zeros_for_none=False)
+    _compare(".grad vs ordinary backward", grads, grads_o, tol, zeros_for_none=False, strides=True)
     assert collections.Counter(log_split) == collections.Counter(log_ordinary), "hooks differ from ordinary backward"
     # And eager autograd, but for torch.compile's zeros where eager leaves None.
     compiled = mode != "uncompiled"
