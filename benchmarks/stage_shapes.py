@@ -13,6 +13,12 @@ LayerNorm-Linear-GELU-Linear block with a residual:
     python -m benchmarks.stage_shapes                      # every shape, Inductor
     python -m benchmarks.stage_shapes --shapes base,first_stage --compiler eager
     python -m benchmarks.stage_shapes --out benchmarks/results/cpu-stage-shapes.json
+    python -m benchmarks.stage_shapes --shapes none --transformers mistral,qwen3moe
+
+``--transformers ARCH,...`` counts, besides, code fxsplit did not write: two
+decoder layers of a ``transformers`` model (random init, a small config, no
+download; ``inputs_embeds`` in, the last hidden state out) as a middle stage
+compiled whole, with ``.grad`` empty and accumulating (:data:`TRANSFORMERS`).
 
 Shapes: ``base``; ``frozen`` (a weight that needs no gradient, given to B and
 W); ``unused`` (a parameter the forward never uses); ``tied`` (one Linear used
@@ -126,18 +132,99 @@ def count(shape: str, compiler: str) -> dict[str, Any]:
             "direct_b_runs": sum(r.direct_b_runs for r in regions)}
 
 
+def _transformers_kwargs(**extra: Any) -> dict[str, Any]:
+    kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    return {**kw, **extra}
+
+
+# Two decoder layers each, width 32: dense (Mistral, Phi-3, GPT-NeoX with biases) and MoE
+# (Qwen3-MoE and DeepSeek-V3 through transformers' grouped-mm op and fxsplit's shipped
+# split rule, GPT-OSS with its own expert matmuls).
+TRANSFORMERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "mistral": ("MistralModel", "MistralConfig", _transformers_kwargs(num_key_value_heads=2)),
+    "phi3": ("Phi3Model", "Phi3Config", _transformers_kwargs(num_key_value_heads=2, pad_token_id=0)),
+    "gptneox": ("GPTNeoXModel", "GPTNeoXConfig", _transformers_kwargs()),
+    "qwen3moe": ("Qwen3MoeModel", "Qwen3MoeConfig", _transformers_kwargs(
+        num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
+    "deepseekv3": ("DeepseekV3Model", "DeepseekV3Config", _transformers_kwargs(
+        num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8)),
+    "gptoss": ("GptOssModel", "GptOssConfig", _transformers_kwargs(
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+class _TransformersStage(nn.Module):
+    def __init__(self, arch: str) -> None:
+        super().__init__()
+        import transformers
+
+        model_cls, config_cls, kwargs = TRANSFORMERS[arch]
+        config = getattr(transformers, config_cls)(**kwargs)
+        config._attn_implementation = "eager"
+        self.model = getattr(transformers, model_cls)(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=x).last_hidden_state
+
+
+def count_transformers(arch: str, compiler: str, accumulating: bool) -> dict[str, Any]:
+    """:func:`count` for two layers of transformers' ``arch`` (:data:`TRANSFORMERS`)."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = _TransformersStage(arch)
+    fn = torch.compile(model, backend=fxsplit.backend(compiler=compiler, fallback="error"))
+    params = list(model.parameters())
+    width = TRANSFORMERS[arch][2]["hidden_size"]
+
+    def step(measure: bool | str) -> tuple[int, int] | None:
+        if not accumulating:
+            for p in params:
+                p.grad = None
+        x = torch.randn(2, 8, width, requires_grad=True)
+        out = fn(x)
+        grad = torch.randn_like(out)
+        if measure == "ordinary":
+            (lines, _), _ = _lines_run(lambda: out.backward(grad))
+            return lines, 0
+        if not measure:
+            _, work = fxsplit.stage_backward_input([out], [grad], [x], params)
+            fxsplit.stage_backward_weight(params, work)
+            return None
+        (b_lines, _), (_, work) = _lines_run(lambda: fxsplit.stage_backward_input([out], [grad], [x], params))
+        (w_lines, _), _ = _lines_run(lambda: fxsplit.stage_backward_weight(params, work))
+        return b_lines, w_lines
+
+    with fxsplit.config.patch(direct_b=True):
+        for _ in range(WARM_UP):
+            step(False)
+            step("ordinary")
+        measured = step(True)
+        ordinary = step("ordinary")
+    assert measured is not None and ordinary is not None
+    return {"b_lines": measured[0], "w_lines": measured[1], "ordinary_lines": ordinary[0],
+            "b_plus_w_over_ordinary": round((measured[0] + measured[1]) / ordinary[0], 3), "weights": len(params)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
                    help="the graphs' compiler (eager: FX graphs as they are; W's commits may differ: "
                         "their gradients' layouts are not Inductor's)")
+    p.add_argument("--transformers", default="", metavar="ARCH,...",
+                   help=f"also two layers of these transformers models (needs transformers), of: {', '.join(TRANSFORMERS)}")
     p.add_argument("--out", type=Path, help="also write the counts as JSON (with the command and code revision)")
     args = p.parse_args(argv)
-    shapes = args.shapes.split(",")
+    shapes = [] if args.shapes == "none" else args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
-        p.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+        p.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)} (or none)")
+    archs = [a for a in args.transformers.split(",") if a]
+    unknown = [a for a in archs if a not in TRANSFORMERS]
+    if unknown:
+        p.error(f"unknown transformers model(s) {unknown}; known: {', '.join(TRANSFORMERS)}")
     torch.set_num_threads(1)
     print(f"{args.compiler}, torch {torch.__version__}; lines of Python outside the graphs, one B and one W "
           "(the direct call on):")
@@ -147,6 +234,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         print(f"  {shape:13s} B {r['b_lines']:5d}  W {r['w_lines']:5d}  ordinary {r['ordinary_lines']:5d}  "
               f"(B + W) / ordinary {r['b_plus_w_over_ordinary']:5.2f}  regions {r['regions']}  "
               f"direct calls {r['direct_b_runs']}", flush=True)
+    for arch in archs:
+        for accumulating in (False, True):
+            name = f"transformers:{arch}" + (":accumulating" if accumulating else "")
+            r = result[name] = count_transformers(arch, args.compiler, accumulating)
+            print(f"  {name:36s} B {r['b_lines']:5d}  W {r['w_lines']:5d}  ordinary {r['ordinary_lines']:5d}  "
+                  f"(B + W) / ordinary {r['b_plus_w_over_ordinary']:5.2f}  weights {r['weights']}", flush=True)
     if args.out is not None:
         command = " ".join(["python -m benchmarks.stage_shapes", *(sys.argv[1:] if argv is None else argv)])
         doc = {"what": "lines of Python outside the compiled graphs, one B and one W after three warm-up microbatches",

@@ -191,6 +191,24 @@ def test_stage_shapes_finds_no_shape_off_b_fast_paths(capsys: pytest.CaptureFixt
             (result[s]["b_lines"] + result[s]["w_lines"]) / result[s]["ordinary_lines"], 3)
 
 
+def test_stage_shapes_counts_transformers_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Code fxsplit did not write: two Mistral decoder layers as a middle
+    stage, ``.grad`` empty and accumulating, each against one ordinary
+    backward through the same region (warmed up alike)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    result = stage_shapes.main(["--compiler", "eager", "--shapes", "none", "--transformers", "mistral"])
+    assert set(result) == {"transformers:mistral", "transformers:mistral:accumulating"}
+    assert "transformers:mistral:accumulating" in capsys.readouterr().out
+    for r in result.values():
+        assert r["b_lines"] > 0 and r["w_lines"] > 0 and r["ordinary_lines"] > 0 and r["weights"] == 20
+        assert r["b_plus_w_over_ordinary"] == round((r["b_lines"] + r["w_lines"]) / r["ordinary_lines"], 3)
+    # B never reads .grad: the same lines whether W will take the gradients or add them.
+    assert result["transformers:mistral:accumulating"]["b_lines"] == result["transformers:mistral"]["b_lines"]
+    with pytest.raises(SystemExit) as e:
+        stage_shapes.main(["--shapes", "none", "--transformers", "mistral,nonsense"])
+    assert e.value.code == 2 and "unknown transformers model(s) ['nonsense']" in capsys.readouterr().err
+
+
 def test_stage_shapes_refuses_an_unknown_shape(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         stage_shapes.main(["--shapes", "base,nonsense"])
