@@ -89,21 +89,18 @@ SHAPES = ("base", "frozen", "unused", "tied", "two_inputs", "two_outputs", "view
           "first_stage", "accumulating")
 
 
-def count(shape: str, compiler: str) -> dict[str, Any]:
-    """Lines of Python (in all) of one B and one W on ``shape``, and the regions' direct calls."""
-    torch.manual_seed(0)
-    torch._dynamo.reset()
-    model = Block(shape)
-    fn = torch.compile(model, backend=fxsplit.backend(compiler=compiler, fallback="error"))
-    params = list(model.parameters())
-    before = fxsplit.compiled_regions()
+def _counted(fn: Callable[..., Any], params: list[torch.Tensor], microbatch: Callable[[], tuple[torch.Tensor, ...]],
+             accumulating: bool) -> dict[str, Any]:
+    """Lines of Python (in all) of one B and one W on the compiled ``fn`` and of
+    one ordinary backward through it, after :data:`WARM_UP` microbatches of
+    each (``microbatch()``: the inputs of one; ``.grad`` set to ``None``
+    before each unless ``accumulating``)."""
 
     def step(measure: bool | str) -> tuple[int, int] | None:
-        if shape != "accumulating":
+        if not accumulating:
             for p in params:
                 p.grad = None
-        x = torch.randn(4, 8, D, requires_grad=shape != "first_stage")
-        args = (x, torch.randn(4, 8, D)) if shape == "two_inputs" else (x,)
+        args = microbatch()
         out = fn(*args)
         outs = list(out) if isinstance(out, tuple) else [out]
         grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
@@ -126,10 +123,25 @@ def count(shape: str, compiler: str) -> dict[str, Any]:
         measured = step(True)
         ordinary = step("ordinary")
     assert measured is not None and ordinary is not None
-    regions = [r for r in fxsplit.compiled_regions() if all(r is not b for b in before)]
     return {"b_lines": measured[0], "w_lines": measured[1], "ordinary_lines": ordinary[0],
-            "b_plus_w_over_ordinary": round((measured[0] + measured[1]) / ordinary[0], 3), "regions": len(regions),
-            "direct_b_runs": sum(r.direct_b_runs for r in regions)}
+            "b_plus_w_over_ordinary": round((measured[0] + measured[1]) / ordinary[0], 3)}
+
+
+def count(shape: str, compiler: str) -> dict[str, Any]:
+    """Lines of Python (in all) of one B and one W on ``shape``, and the regions' direct calls."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Block(shape)
+    fn = torch.compile(model, backend=fxsplit.backend(compiler=compiler, fallback="error"))
+    before = fxsplit.compiled_regions()
+
+    def microbatch() -> tuple[torch.Tensor, ...]:
+        x = torch.randn(4, 8, D, requires_grad=shape != "first_stage")
+        return (x, torch.randn(4, 8, D)) if shape == "two_inputs" else (x,)
+
+    result = _counted(fn, list(model.parameters()), microbatch, shape == "accumulating")
+    regions = [r for r in fxsplit.compiled_regions() if all(r is not b for b in before)]
+    return {**result, "regions": len(regions), "direct_b_runs": sum(r.direct_b_runs for r in regions)}
 
 
 def _transformers_kwargs(**extra: Any) -> dict[str, Any]:
@@ -177,34 +189,8 @@ def count_transformers(arch: str, compiler: str, accumulating: bool) -> dict[str
     fn = torch.compile(model, backend=fxsplit.backend(compiler=compiler, fallback="error"))
     params = list(model.parameters())
     width = TRANSFORMERS[arch][2]["hidden_size"]
-
-    def step(measure: bool | str) -> tuple[int, int] | None:
-        if not accumulating:
-            for p in params:
-                p.grad = None
-        x = torch.randn(2, 8, width, requires_grad=True)
-        out = fn(x)
-        grad = torch.randn_like(out)
-        if measure == "ordinary":
-            (lines, _), _ = _lines_run(lambda: out.backward(grad))
-            return lines, 0
-        if not measure:
-            _, work = fxsplit.stage_backward_input([out], [grad], [x], params)
-            fxsplit.stage_backward_weight(params, work)
-            return None
-        (b_lines, _), (_, work) = _lines_run(lambda: fxsplit.stage_backward_input([out], [grad], [x], params))
-        (w_lines, _), _ = _lines_run(lambda: fxsplit.stage_backward_weight(params, work))
-        return b_lines, w_lines
-
-    with fxsplit.config.patch(direct_b=True):
-        for _ in range(WARM_UP):
-            step(False)
-            step("ordinary")
-        measured = step(True)
-        ordinary = step("ordinary")
-    assert measured is not None and ordinary is not None
-    return {"b_lines": measured[0], "w_lines": measured[1], "ordinary_lines": ordinary[0],
-            "b_plus_w_over_ordinary": round((measured[0] + measured[1]) / ordinary[0], 3), "weights": len(params)}
+    result = _counted(fn, params, lambda: (torch.randn(2, 8, width, requires_grad=True),), accumulating)
+    return {**result, "weights": len(params)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
