@@ -56,6 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._prims_common
 import torch.fx as fx
 from torch.utils.flop_counter import register_flop_formula
 
@@ -238,17 +239,19 @@ def _grouped_mm_weight_grad(
 
 
 def _strides_like(weight: torch.Tensor) -> list[int] | None:
-    """The strides ``torch.zeros_like(weight)`` gives (the weight's own where
-    it is non-overlapping and dense, static), or ``None`` for contiguous."""
-    sizes, strides = weight.shape, weight.stride()
-    if not all(type(s) is int for s in (*sizes, *strides)):
-        return None
-    expected = 1  # (dense: the strides, smallest first, are the products of the sizes below them)
-    for stride, size in sorted((st, sz) for sz, st in zip(sizes, strides) if sz != 1):
-        if stride != expected:
-            return None
-        expected *= size
-    return list(strides)
+    """The strides ``torch.zeros_like(weight)`` gives: the weight's own where it
+    is non-overlapping and dense (static), else ``None`` (contiguous)."""
+    strides = weight.stride()
+    if all(type(s) is int for s in strides) and torch._prims_common.is_non_overlapping_and_dense_or_false(weight):
+        return list(strides)
+    return None
+
+
+def _grouped_mm_weight_grad_meta(
+    input: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor, strides: list[int] | None = None
+) -> torch.Tensor:
+    sizes = (offs.size(0), input.size(1), grad_output.size(1))
+    return input.new_empty(sizes) if strides is None else input.new_empty_strided(sizes, strides)
 
 
 # Defined as plain library ops (a schema, a kernel, a meta kernel): the
@@ -263,10 +266,7 @@ _LIB.impl("grouped_mm_input_grad", lambda grad_output, weight, offs: grad_output
     grad_output.size(0), weight.size(1)), "Meta")
 _LIB.define("grouped_mm_weight_grad(Tensor input, Tensor grad_output, Tensor offs, int[]? strides=None) -> Tensor")
 _LIB.impl("grouped_mm_weight_grad", _grouped_mm_weight_grad, "CompositeExplicitAutograd")
-_LIB.impl("grouped_mm_weight_grad", lambda input, grad_output, offs, strides=None: (
-    input.new_empty((offs.size(0), input.size(1), grad_output.size(1)))
-    if strides is None else input.new_empty_strided((offs.size(0), input.size(1), grad_output.size(1)), strides)
-), "Meta")
+_LIB.impl("grouped_mm_weight_grad", _grouped_mm_weight_grad_meta, "Meta")
 
 
 @register_flop_formula(torch.ops.fxsplit.grouped_mm_input_grad)
