@@ -378,13 +378,16 @@ def test_shipped_rule_gives_the_weight_gradient_the_layout_of_transformers_op() 
     pytest.importorskip("transformers.integrations.moe", reason="transformers is not installed")
     torch.manual_seed(0)
     model = StoredTransposedExperts(torch.ops.transformers.grouped_mm_fallback)
-    ref = copy.deepcopy(model)
-    stage = torch.compile(model, backend=fxsplit.backend(fused_backward=False))
+    backend = fxsplit.backend(fused_backward=False)
+    uncompiled = copy.deepcopy(model)
+    compiled = torch.compile(copy.deepcopy(model), backend=backend)  # (ordinary backward through the same split)
+    stage = torch.compile(model, backend=backend)
     for offs in ([4, 4, 10], [2, 7, 10]):  # (an expert without tokens)
-        work = run_split(model, stage, [torch.randn(10, 16, requires_grad=True), torch.tensor(offs)], ref)
-        assert sorted(work.handed_over) == [0, 1], offs
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert p.grad.stride() == q.grad.stride() == p.stride(), offs
+        for ref in (uncompiled, compiled):
+            work = run_split(model, stage, [torch.randn(10, 16, requires_grad=True), torch.tensor(offs)], ref)
+            assert sorted(work.handed_over) == [0, 1], offs
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert p.grad.stride() == q.grad.stride() == p.stride(), offs
     check_grouped_rule_split(fxsplit.compiled_regions()[-1].split, "transformers::grouped_mm_fallback_backward")
 
 
