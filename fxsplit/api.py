@@ -373,7 +373,7 @@ def _run_b(
     try:
         if not outs or not (xs or plan.captures):  # (nothing for B to run: W runs the eager groups)
             return call, [None] * len(plan.intermediates), ()
-        direct = None if retain or plan.captures else _direct_call(plan, outs, nodes, grads, xs)
+        direct = None if retain else _direct_call(plan, outs, nodes, grads, xs)
         if direct is not None:  # (the node is registered for its call only)
             call.release_first = call.direct = True
             return call, [], _run_direct(*direct, xs, call)
@@ -403,11 +403,12 @@ def _run_through_engine(
         handles = [node.register_prehook(functools.partial(_save_into, saved, k))
                    for k, node in enumerate(plan.intermediates)]
         _keep_outputs(plan.once, call.deferred, handles)
+    captures, bottom = _captures(plan)
     try:
         with registered(plan.split_regions, call):
-            results = _reach_targets(plan, outs, grads, xs, call.retains_graph)
-            if plan.captures:
-                _run_bottom_regions(plan, call, results[len(xs):])
+            results = _reach_targets(outs, grads, [*xs, *captures], call.retains_graph)
+            if bottom:
+                _run_bottom_regions(captures, bottom, call, results[len(xs):])
         # The graph is retained for the nodes W re-runs; free what the
         # nodes below the intermediates that only B needed saved.
         for node in plan.release:
@@ -423,18 +424,53 @@ def _save_into(saved: list[Any], k: int, grad_outputs: tuple[torch.Tensor | None
 
 
 def _reach_targets(
-    plan: EagerWeightPlan, outs: list[Output], grads: list[torch.Tensor], xs: list[torch.Tensor], retain: bool,
+    outs: list[Output], grads: list[torch.Tensor], targets: list[torch.Tensor | GradientEdge], retain: bool,
 ) -> Sequence[torch.Tensor | None]:
-    """The gradients of ``xs`` and of the plan's captures through autograd's
-    engine, or, for a first stage of one region, the output gradients
-    themselves (what flows into it; no engine call to capture them)."""
-    captures = plan.captures
-    targets = [*xs, *captures]
-    if not captures and ti.all_plain(outs) and ti.all_plain(targets):  # (gradients checked: _check_grads)
+    """The gradients of ``targets`` (the inputs, then the edges B captures)
+    through autograd's engine."""
+    if ti.all_plain(outs) and ti.all_plain(targets):  # (gradients checked: _check_grads)
         return ti.engine_grad(outs, grads, targets, retain)
-    if not xs and _outputs_are_the_captures(plan, outs, grads):
-        return tuple(grads)
     return torch.autograd.grad(outs, targets, grad_outputs=grads, retain_graph=retain, allow_unused=True)
+
+
+def _captures(plan: EagerWeightPlan) -> tuple[list[GradientEdge], list[Node]]:
+    """Where B's engine call stops below a first stage's regions, and the bottom
+    regions B then runs itself (:func:`_run_bottom_regions`): ``plan.captures``
+    and ``plan.bottom_regions``, but for a bottom region with a hook on its
+    node (:func:`fxsplit._torch_internals.node_has_hooks`), which the engine
+    runs, with its hooks, as ordinary backward does: the call stops below it
+    instead, at an edge where capturing runs nothing else (:func:`_quiet_edge`).
+    A hooked region with no such edge is run by B itself, its node's hooks
+    not run, which is said once."""
+    bottom = plan.bottom_regions
+    if not any(map(ti.node_has_hooks, bottom)):
+        return plan.captures, bottom
+    below = {n: _quiet_edge(n) for n in bottom if ti.node_has_hooks(n)}
+    for node in (n for n, e in below.items() if e is None and type(n) not in _HOOKS_NOT_RUN):
+        _HOOKS_NOT_RUN.add(type(node))
+        log.warning(
+            "fxsplit: B: the hooks on %s (a compiled region at the bottom of a first stage) do not run: every "
+            "edge below it is a weight with a tensor hook, which capturing a gradient there would call", node.name(),
+        )
+    engine = [n for n in bottom if below.get(n) is not None]
+    captures = [*(e for e in plan.captures if e.node not in engine), *map(below.__getitem__, engine)]
+    return captures, [n for n in bottom if n not in engine]
+
+
+# Region node classes whose hooks B said it cannot run (_captures).
+_HOOKS_NOT_RUN: set[type] = set()
+
+
+def _quiet_edge(node: Node) -> GradientEdge | None:
+    """An edge below ``node`` where an engine call can stop, capturing a gradient,
+    with nothing a user sees run: the grad accumulator of a leaf with no tensor
+    hook (the engine runs a captured leaf's tensor hooks, not its accumulator
+    or the hooks after it). ``None`` where there is none."""
+    accumulate_grad = ti.accumulate_grad_type()
+    for child, nr in node.next_functions:
+        if type(child) is accumulate_grad and not child.variable._backward_hooks:
+            return GradientEdge(child, nr)
+    return None
 
 
 def _record_b(
@@ -492,7 +528,8 @@ def _direct_call(
 ) -> tuple[Any, dict[int, torch.Tensor], list[int]] | None:
     """``(node, gradients by output, edge of each target)`` where B may call the
     stage's one region node itself instead of the engine
-    (:data:`fxsplit.config.direct_b`; by default not for CPU tensors), else
+    (:data:`fxsplit.config.direct_b`; by default not for CPU tensors but in a
+    first stage, where the engine would only hand B the output gradients), else
     ``None``: every output a plain tensor (``nodes``, their nodes, given:
     :func:`_plain_pairs`) of the node's, each once, as is every target; every
     forward argument of the region a tensor (the node's results are then its
@@ -504,7 +541,7 @@ def _direct_call(
     if edges is None or flag is False or nodes is None or torch.is_anomaly_enabled() or not ti.all_plain(xs):
         return None
     device = outs[0].device
-    if device.type == "cpu" and flag is not True:
+    if device.type == "cpu" and flag is not True and edges:
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
     by_output = _gradients_by_output(node, outs, nodes, grads)
@@ -528,20 +565,6 @@ def _gradients_by_output(
         return None
     by_output = dict(zip(map(_OUTPUT_NR, outs), grads))
     return by_output if len(by_output) == len(outs) else None
-
-
-def _outputs_are_the_captures(plan: EagerWeightPlan, outs: list[Any], grads: list[torch.Tensor]) -> bool:
-    """Whether the edges B captures are the outputs' own (one region's), so
-    that the gradients the engine would capture are the output gradients as
-    given (:func:`_gradients_by_output`)."""
-    captures = plan.captures
-    if len(captures) != len(outs) or not captures:
-        return False
-    node = captures[0].node
-    if any(e.node is not node or e.output_nr != getattr(o, "output_nr", None) for e, o in zip(captures, outs)):
-        return False
-    nodes = list(map(_GRAD_FN, outs)) if ti.all_plain(outs) else None
-    return _gradients_by_output(node, outs, nodes, grads) is not None
 
 
 def _run_direct(
@@ -568,19 +591,22 @@ def _run_direct(
     return picked
 
 
-def _run_bottom_regions(plan: EagerWeightPlan, call: PendingWeightGrads, captured: Sequence[torch.Tensor | None]) -> None:
-    """A first stage's B, second half: each bottom region's dI graph, called
-    by B itself (``call`` registered), on the gradients B's autograd call
-    captured flowing into it. Unless W's eager calls pass through it, it frees
+def _run_bottom_regions(
+    captures: list[GradientEdge], bottom: list[Node], call: PendingWeightGrads, captured: Sequence[torch.Tensor | None],
+) -> None:
+    """A first stage's B, second half: each ``bottom`` region's dI graph,
+    called by B itself (``call`` registered), on the gradients B's autograd
+    call captured flowing into it (``captured``, one per ``captures``).
+    Unless W's eager calls pass through it, it frees
     the activations it saved before its dI graph runs, so that dI frees each
     after its last use, as AOTAutograd does under an engine call that keeps
     no graph (:attr:`fxsplit.runtime.InputCall.release_first`)."""
-    grads: dict[Any, dict[int, torch.Tensor]] = {n: {} for n in plan.bottom_regions}
-    for edge, g in zip(plan.captures, captured):
-        if g is not None:
+    grads: dict[Any, dict[int, torch.Tensor]] = {n: {} for n in bottom}
+    for edge, g in zip(captures, captured):
+        if g is not None and edge.node in grads:
             grads[edge.node][edge.output_nr] = g
     call.release_first = True
-    for node in plan.bottom_regions:
+    for node in bottom:
         run_directly(node, grads.pop(node))
 
 

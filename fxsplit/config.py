@@ -39,7 +39,9 @@
   the current stream).
   ``"auto"`` (the default): for tensors on any device but the CPU, where the
   engine runs in the calling thread and calling the region saves nothing
-  (freeing its saved tensors from Python costs a little more there);
+  (freeing its saved tensors from Python costs a little more there), and for
+  a first stage of one region on every device (an engine call would only
+  hand B the output gradients);
   ``True``: on every device; ``False``: never. Read when B runs;
   ``FXSPLIT_DIRECT_B`` (``auto``, ``1``, ``0``) sets it.
 

@@ -243,8 +243,9 @@ class EagerWeightPlan:
     commit_plans: list[Any] | None = None
     # Compiled-only plans of one region: the position among the region's
     # next_functions where each stage input (in the order given) enters it,
-    # each by one edge of its own (None: not so, or another kind of plan).
-    # B may then call the region's node itself (``fxsplit.api``).
+    # each by one edge of its own (None: not so, or another kind of plan;
+    # empty for a first stage). B may then call the region's node itself
+    # (``fxsplit.api``).
     direct_edges: tuple[int, ...] | None = None
     # The split regions' dI and dW graphs are compiled (a replayed plan's were
     # when it was first built); otherwise B compiles them before its call.
@@ -439,7 +440,7 @@ def _read_regions(plan: EagerWeightPlan, out_nodes: Sequence[Node], xs: Sequence
     if not nodes or not xs and (len(nodes) != 1 or any(n is not nodes[0] for n in out_nodes)):
         return False
     plan.split_regions, plan.region_children, plan.region_params = nodes, children, params
-    if len(nodes) == 1 and xs:
+    if len(nodes) == 1:
         plan.direct_edges = _direct_edges(nodes[0], xs)
     return True
 

@@ -351,3 +351,109 @@ def test_one_region_first_stage_b_needs_no_engine_call(hooked: bool, monkeypatch
     for (name, p), w in zip(model.named_parameters(), want):
         assert_close(p.grad, w, msg=name)
     assert len(seen) == (2 if hooked else 0)  # (once per microbatch, as ordinary backward runs it)
+
+
+def _hook_regions(out: torch.Tensor, seen: list[tuple[int, str, list[torch.Tensor]]]) -> int:
+    """Register a pre-hook and a hook on every compiled region's autograd node
+    below ``out`` (numbered in the order of a walk from it), recording what fires."""
+    found: list[Any] = []
+    queue, visited = [out.grad_fn], set()
+    while queue:
+        node = queue.pop(0)
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if is_split_region(node):
+            found.append(node)
+        queue += [child for child, _ in node.next_functions]
+    for k, node in enumerate(found):
+        node.register_prehook(lambda gs, k=k: seen.append((k, "pre", [g.clone() for g in gs if g is not None])))
+        node.register_hook(lambda gi, go, k=k: seen.append((k, "post", [])))
+    return len(found)
+
+
+def _hook_weights(model: nn.Module, seen: list[str], but: str | None) -> None:
+    for name, p in model.named_parameters():
+        if name != but:
+            p.register_hook(lambda g, name=name: seen.append(name))
+
+
+@pytest.mark.parametrize("weight_hooks", [False, True], ids=["", "weight_hooks"])
+@pytest.mark.parametrize("direct", ["auto", True, False], ids=["direct_auto", "direct", "engine"])
+@pytest.mark.parametrize("layout", ["compiled", "graph_break"])
+def test_hooks_on_a_first_stage_region_node_fire_at_b(layout: str, direct: Any, weight_hooks: bool) -> None:
+    """A hook or pre-hook on a compiled region's autograd node fires where
+    ordinary backward runs the node: B runs each region's input-gradient part,
+    so each fires at B, once per microbatch, in ordinary backward's order, with
+    the same incoming gradients. That includes the bottom region of a first
+    stage, whose incoming gradient B takes without running the node through
+    autograd's engine (for a first stage of one region, the output gradient
+    itself): a hooked one is run by the engine, whose call stops at a weight
+    with no tensor hook below it (``weight_hooks``: every weight but the
+    embedding's has one; none fires at B). Gradients equal ordinary
+    backward's on an identical compiled copy; two microbatches in flight."""
+    _, model, _ = build(layout)
+    _, ordinary, _ = build(layout)
+    params = list(model.parameters())
+    weight_seen: list[str] = []
+    ordinary_weight_seen: list[str] = []
+    if weight_hooks:
+        _hook_weights(model, weight_seen, "trunk.embed.weight")
+        _hook_weights(ordinary, ordinary_weight_seen, "trunk.embed.weight")
+    with fxsplit.config.patch(direct_b=direct):
+        works, seen_b = [], []
+        for s in (0, 1):
+            out = model(token_ids(s))
+            seen: list[Any] = []
+            assert _hook_regions(out, seen) == LAYOUTS[layout][2]
+            _, work = fxsplit.stage_backward_input([out], [output_grad(out, s)], [token_ids(s)], params)
+            seen_b.append(list(seen))
+            works.append((work, seen))
+        assert not weight_seen, "a weight's hook fired at B"
+        for work, seen in works:
+            fxsplit.stage_backward_weight(params, work)
+            assert len(seen) == len(seen_b[0]), "a region node's hook fired at W"
+    for s, got in enumerate(seen_b):
+        out = ordinary(token_ids(s))
+        want: list[Any] = []
+        _hook_regions(out, want)
+        out.backward(output_grad(out, s))
+        assert [(k, kind) for k, kind, _ in got] == [(k, kind) for k, kind, _ in want]
+        for (_, _, g), (_, _, w) in zip(got, want):
+            assert len(g) == len(w)
+            for a, b in zip(g, w):
+                assert_close(a, b)
+    for (name, p), q in zip(model.named_parameters(), ordinary.parameters()):
+        assert_close(p.grad, q.grad, msg=name)
+    assert sorted(weight_seen) == sorted(ordinary_weight_seen) and len(weight_seen) == (2 * (len(params) - 1)
+                                                                                        if weight_hooks else 0)
+
+
+def test_hooks_on_a_first_stage_region_node_that_b_cannot_run_are_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Where every edge below a first stage's bottom region is a weight with a
+    tensor hook, an engine call stopping there would call those hooks at B:
+    B runs the region itself and its node's hooks do not run, which is said
+    once. Weight hooks fire at W only; gradients are ordinary backward's."""
+    _, model, _ = build("graph_break")
+    _, ordinary, _ = build("graph_break")
+    params = list(model.parameters())
+    weight_seen: list[str] = []
+    ordinary_weight_seen: list[str] = []
+    _hook_weights(model, weight_seen, None)
+    _hook_weights(ordinary, ordinary_weight_seen, None)
+    with caplog.at_level("WARNING", logger="fxsplit"):
+        for s in (0, 1):
+            out = model(token_ids(s))
+            seen: list[Any] = []
+            _hook_regions(out, seen)
+            fired = len(weight_seen)
+            _, work = fxsplit.stage_backward_input([out], [output_grad(out, s)], [token_ids(s)], params)
+            assert len(weight_seen) == fired, "a weight's hook fired at B"
+            assert [(k, kind) for k, kind, _ in seen] == [(0, "pre"), (0, "post"), (1, "pre"), (1, "post")]
+            fxsplit.stage_backward_weight(params, work)
+            out = ordinary(token_ids(s))
+            out.backward(output_grad(out, s))
+    assert len([r for r in caplog.records if "do not run" in r.getMessage()]) == 1
+    assert sorted(weight_seen) == sorted(ordinary_weight_seen)
+    for (name, p), q in zip(model.named_parameters(), ordinary.parameters()):
+        assert_close(p.grad, q.grad, msg=name)
