@@ -225,7 +225,7 @@ def compiled_regions() -> list[CompiledSplitBackward]:
 
 
 _FALLBACKS: list[FallbackRecord] = []
-_REPORTED_OPS: set[str] = set()
+_REPORTED_OPS: set[tuple[str, str]] = set()  # (how, op) said at WARNING
 _REPORT_LOCK = threading.Lock()
 
 
@@ -241,19 +241,32 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _report_weight_work_in_di(name: str, split: SplitResult) -> None:
-    """Say once per operator (per process) that it keeps weight work in B."""
-    for shared in split.weight_work_in_di:
+def _report_shared(name: str, split: SplitResult) -> None:
+    """Say once per operator (per process) that it keeps weight work in B, and
+    once per operator that its split rule computes other strides than it."""
+    for shared in split.shared:
+        if shared.how not in ("unsplit", "rule") or shared.how == "rule" and not shared.other_strides:
+            continue
         with _REPORT_LOCK:
-            first = shared.op not in _REPORTED_OPS
-            _REPORTED_OPS.add(shared.op)
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "fxsplit: %s: %s returns input and weight gradients from one call and has no split "
-            "rule; it runs whole in dI, so B does its weight-gradient work (outputs %s). "
-            "Declare one with fxsplit.register_split_rule(%r, ...).",
-            name, shared.op, list(shared.dw_outputs), shared.op,
-        )
+            first = (shared.how, shared.op) not in _REPORTED_OPS
+            _REPORTED_OPS.add((shared.how, shared.op))
+        level = logging.WARNING if first else logging.DEBUG
+        if shared.how == "unsplit":
+            log.log(
+                level,
+                "fxsplit: %s: %s returns input and weight gradients from one call and has no split "
+                "rule; it runs whole in dI, so B does its weight-gradient work (outputs %s). "
+                "Declare one with fxsplit.register_split_rule(%r, ...).",
+                name, shared.op, list(shared.dw_outputs), shared.op,
+            )
+        else:
+            log.log(
+                level,
+                "fxsplit: %s: the split rule for %s computes its outputs %s in other strides than the op; "
+                "a weight gradient out of its weight's layout is copied by autograd at W. A rule's outputs "
+                "should have the op's strides (fxsplit.rules).",
+                name, shared.op, list(shared.other_strides),
+            )
 
 
 @dataclasses.dataclass
@@ -524,7 +537,7 @@ def _compile_split_backward(
     _check_no_weight_matmul_in_di(split)
     ti.declare_no_donated_buffers()
     log.debug("fxsplit: %s split:\n%s", name, split.describe())
-    _report_weight_work_in_di(name, split)
+    _report_shared(name, split)
     _logging.publish_split(name, split)  # fxsplit_graphs artifact and structured trace
 
     graphs = _RegionGraphs(name, opts, opts.resolved_fallback(), bw, split, example_inputs, kwargs)

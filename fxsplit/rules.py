@@ -26,7 +26,8 @@ compile with a message naming the rule. Give them the op's strides too (its
 fake implementation's): the rest of the graph was traced for those. Other
 strides are correct but may cost a copy, e.g. a weight gradient that ends up
 in another layout than its weight's, which W hands to autograd to copy
-where ``.grad`` is empty.
+where ``.grad`` is empty; a warning says so once per op, and the split's
+``shared`` entry lists those outputs (``other_strides``).
 
 Ops with an ``output_mask`` argument (``convolution_backward`` and friends)
 need no rule: the split runs them twice with complementary masks. A rule

@@ -79,6 +79,10 @@ class SharedNode:
     (no way to split it is known: the whole node runs in dI, so the weight
     work behind ``dw_outputs`` runs in B and those outputs cross as live-ins)
     or ``"kept"`` (the same, by a rule's decision: :data:`KEEP_WHOLE`).
+    ``other_strides``: for a rule, the outputs it computes in other strides
+    than the node's (the graph after it was traced for the node's; where
+    such an output becomes a weight's gradient out of the weight's layout,
+    autograd copies it at W).
     """
 
     name: str
@@ -86,6 +90,7 @@ class SharedNode:
     di_outputs: tuple[int, ...]
     dw_outputs: tuple[int, ...]
     how: str
+    other_strides: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         if self.how == "unsplit":
@@ -98,9 +103,10 @@ class SharedNode:
                 f"{self.name} ({self.op}) kept whole in dI by its rule: its outputs {list(self.dw_outputs)} "
                 "come from the kernel that computes the input gradients, and cross to dW"
             )
+        strides = f"; outputs {list(self.other_strides)} in other strides than the op's" if self.other_strides else ""
         return (
             f"{self.name} ({self.op}) split by {self.how}: outputs {list(self.di_outputs)} in dI, "
-            f"{list(self.dw_outputs)} in dW"
+            f"{list(self.dw_outputs)} in dW{strides}"
         )
 
 
@@ -170,12 +176,11 @@ def split_shared_node(
         if di_sub is not None and dw_sub is not None:
             parts = ((di_sub, di_outputs), (dw_sub, dw_outputs))
     if parts is not None:
-        for sub, idx in parts:
-            _check_rule_outputs(node, name, sub, idx)
+        other = sorted(i for sub, idx in parts for i in _check_rule_outputs(node, name, sub, idx))
         for sub, idx in parts:
             _replace_outputs(node, idx, _inline(graph, node, sub))
         _erase_with_getitems(graph, node)
-        return SharedNode(node.name, name, di_outputs, dw_outputs, "rule")
+        return SharedNode(node.name, name, di_outputs, dw_outputs, "rule", tuple(other))
     if _split_by_output_mask(graph, node, di_outputs, dw_outputs):
         return SharedNode(node.name, name, di_outputs, dw_outputs, "output_mask")
     return SharedNode(node.name, name, di_outputs, dw_outputs, "unsplit")
@@ -236,7 +241,19 @@ def _same_size(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
-def _check_rule_outputs(node: fx.Node, name: str, sub: fx.GraphModule, idx: tuple[int, ...]) -> None:
+def _other_strides(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``got`` is known to have other strides than ``want`` (same
+    shape) in some dimension of more than one element."""
+    return any(
+        not statically_known_true(size <= 1) and statically_known_true(g != w)
+        for size, g, w in zip(want.shape, got.stride(), want.stride())
+    )
+
+
+def _check_rule_outputs(node: fx.Node, name: str, sub: fx.GraphModule, idx: tuple[int, ...]) -> list[int]:
+    """Check the rule's graph ``sub`` for outputs ``idx`` of ``node`` (raises
+    :class:`SplitRuleError`, naming the mismatch); the outputs it computes in
+    other strides than the node's."""
     outs = _rule_outputs(sub)
     placeholders = sub.graph.find_nodes(op="placeholder")
     if len(placeholders) != len(node.all_input_nodes):
@@ -249,6 +266,7 @@ def _check_rule_outputs(node: fx.Node, name: str, sub: fx.GraphModule, idx: tupl
             f"split rule for {name}: asked for outputs {list(idx)} of {node.name}, got {len(outs)} values"
         )
     expected = node.meta.get("val")
+    other = []
     for i, o in zip(idx, outs):
         got = o.meta.get("val") if isinstance(o, fx.Node) else o
         want = expected[i] if isinstance(expected, (tuple, list)) else None
@@ -266,6 +284,9 @@ def _check_rule_outputs(node: fx.Node, name: str, sub: fx.GraphModule, idx: tupl
                 f"split rule for {name}: output {i} of {node.name} should be {want.dtype} "
                 f"{tuple(want.shape)}, the rule computed {desc}"
             )
+        if _other_strides(got, want):
+            other.append(i)
+    return other
 
 
 def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> list[fx.Node]:

@@ -201,6 +201,38 @@ def test_registered_rule_moves_weight_work_to_dw(key: str, clean_rules: None, ca
     assert not [r for r in caplog.records if r.name == "fxsplit" and r.levelno >= logging.WARNING]
 
 
+def test_rule_in_other_strides_than_the_op_is_said_once(
+    clean_rules: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule whose weight gradient is the transpose of a contiguous product
+    (the op's is contiguous) is correct, but the graph after it was traced for
+    the op's strides and the gradient may reach W out of its weight's layout
+    (autograd then copies it): the split says which outputs, and a warning
+    says so once per op. Gradients equal ordinary backward's."""
+    monkeypatch.setattr(sys.modules["fxsplit.backend"], "_REPORTED_OPS", set())
+
+    def transposed_rule(outputs: frozenset[int], x: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor) -> Any:
+        return (grad_out @ w if 0 in outputs else None, (x.T @ grad_out).T if 1 in outputs else None)
+
+    fxsplit.register_split_rule(FUSED_BW, transposed_rule)
+    model = FusedLinearStage()
+    ref = copy.deepcopy(model)
+    before = fxsplit.compiled_regions()
+    with caplog.at_level(logging.WARNING, logger="fxsplit"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            stage = torch.compile(model, backend=fxsplit.backend(compiler="eager"))
+            run_split(model, stage, [torch.randn(5, 6, requires_grad=True)], ref)
+    regions = new_regions(before)
+    assert len(regions) == 2
+    for region in regions:
+        shared = region.split.shared
+        assert [(s.how, s.other_strides) for s in shared] == [("rule", (1,)), ("rule", (1,))]
+        assert "outputs [1] in other strides than the op's" in region.split.describe()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fxsplit" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and FUSED_BW in warnings[0] and "other strides" in warnings[0], warnings
+
+
 def test_rule_as_decorator_and_unregister(clean_rules: None) -> None:
     @fxsplit.register_split_rule("fxsplit_test::not_an_op_yet")
     def rule(outputs: frozenset[int], *args: Any) -> Any:
