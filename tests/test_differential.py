@@ -7,7 +7,8 @@ embedding of int inputs, SDPA, views / permutes / cat / chunk / gather /
 index ops, in-place ops on intermediates, dtype round trips,
 ``torch.utils.checkpoint``, detach, a graph break, a second input without
 grad, tensor / tuple / dict outputs, an output that eager weight code also
-consumes, tensor and post-accumulate-grad hooks on some weights), and runs two
+consumes, tensor and post-accumulate-grad hooks on some weights, a first
+stage: an input that needs no gradient), and runs two
 steps of two microbatches each in the zero-bubble order B0 B1 W1 W0, the
 second step at other sizes (a dynamic recompile) and into the ``.grad`` the
 first left (fused gradient accumulation). Three identical copies run the same
@@ -248,6 +249,7 @@ class Stage(nn.Module):
             self.unused = nn.Parameter(torch.randn(3))
         self.hooked = sorted(rng.sample(range(16), 3))
         self.inductor = False
+        self.first_stage = rng.random() < 0.25  # (drawn last: the rest of a seed's stage stays as it was)
 
     def describe(self) -> str:
         parts = []
@@ -255,7 +257,8 @@ class Stage(nn.Module):
             extra = getattr(b, "kind", None) or getattr(b, "op", None) or getattr(b, "act", None)
             extra = extra or (str(getattr(b, "dtype", "")).replace("torch.", "") or None)
             parts.append(type(b).__name__ + (f"({extra})" if extra else ""))
-        return f"blocks {parts}, output {self.output}, unused param {hasattr(self, 'unused')}"
+        first = ", first stage (the input needs no gradient)" if self.first_stage else ""
+        return f"blocks {parts}, output {self.output}, unused param {hasattr(self, 'unused')}{first}"
 
     def forward(self, x: torch.Tensor, side: torch.Tensor, ids: torch.Tensor) -> Any:
         ctx = {"side": side, "ids": ids}
@@ -309,12 +312,15 @@ def _run(model: nn.Module, fn: Any, seed: int, split: bool) -> tuple[list[list[t
         ins, outs, ograds = [], [], []
         for mb in range(2):
             x, side, ids = _microbatch(seed, step, mb, torch.device("cpu"))
-            x.requires_grad_()
+            x.requires_grad_(not model.first_stage)
             o = _flat(fn(x, side, ids))
             g = torch.Generator().manual_seed(seed * 7 + step * 3 + mb)
             ins.append((x, side, ids))
-            outs.append(o)
             ograds.append([torch.randn(t.shape, generator=g) for t in o])
+            if model.first_stage:  # (an output no weight reaches has no gradient to take)
+                ograds[-1] = [d for t, d in zip(o, ograds[-1]) if t.requires_grad]
+                o = [t for t in o if t.requires_grad]
+            outs.append(o)
         if split:
             works = []
             for mb in range(2):  # B0 B1
