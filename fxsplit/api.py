@@ -19,6 +19,7 @@ import itertools
 import logging
 import operator
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -457,8 +458,8 @@ def _captures(plan: EagerWeightPlan) -> tuple[list[GradientEdge], list[Node]]:
     return captures, [n for n in bottom if n not in engine]
 
 
-# Region node classes whose hooks B said it cannot run (_captures).
-_HOOKS_NOT_RUN: set[type] = set()
+# Region node classes whose hooks B said it cannot run (_captures); weakly, as regions come and go.
+_HOOKS_NOT_RUN: weakref.WeakSet[type] = weakref.WeakSet()
 
 
 def _quiet_edge(node: Node) -> GradientEdge | None:
