@@ -29,7 +29,10 @@ Terms used below, for one stage:
   region having let go of its saved activations first (unless W re-runs it),
   as under an engine call that keeps no graph: below a bottom
   region there is nothing to capture but grad accumulators, and capturing
-  there would call the weights' tensor hooks in B. So every compiled
+  there would call the weights' tensor hooks in B (where the region's node
+  has a hook, B's call runs it, with its hooks, stopping at a weight with
+  none: ``fxsplit.api._captures``; a first stage of one region takes B's
+  direct call where a middle stage would). So every compiled
   region runs its activation-gradient chain at B and only its
   weight-gradient leaves at W, whatever eager code surrounds it. Eager code
   below the bottom regions (an eager embedding) and a stage with no
