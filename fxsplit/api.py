@@ -531,16 +531,20 @@ def _direct_call(
     stage's one region node itself instead of the engine
     (:data:`fxsplit.config.direct_b`; by default not for CPU tensors but in a
     first stage, where the engine would only hand B the output gradients), else
-    ``None``: every output a plain tensor (``nodes``, their nodes, given:
-    :func:`_plain_pairs`) of the node's, each once, as is every target; every
+    ``None``: every output a plain tensor (``nodes``: their nodes, where
+    :func:`_plain_pairs` read them) of the node's, each once, as is every target; every
     forward argument of the region a tensor (the node's results are then its
     edges'); each target entering the node by one edge of its own; no tensor
     hook or ``retain_grad`` on any of them, no hook on the node (the engine
     would run them: :func:`fxsplit._torch_internals.node_has_hooks`); anomaly
     mode off; on CUDA, the current stream the default one."""
     flag, edges = config.direct_b, plan.direct_edges
-    if edges is None or flag is False or nodes is None or torch.is_anomaly_enabled() or not ti.all_plain(xs):
+    if edges is None or flag is False or torch.is_anomaly_enabled() or not ti.all_plain(xs):
         return None
+    if nodes is None:  # (outputs given nested, or a loss with its gradient implicit: not read yet)
+        if not ti.all_plain(outs):
+            return None
+        nodes = list(map(_GRAD_FN, outs))
     device = outs[0].device
     if device.type == "cpu" and flag is not True and edges:
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save

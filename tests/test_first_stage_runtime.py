@@ -353,6 +353,31 @@ def test_one_region_first_stage_b_needs_no_engine_call(hooked: bool, monkeypatch
     assert len(seen) == (2 if hooked else 0)  # (once per microbatch, as ordinary backward runs it)
 
 
+
+def test_one_region_first_stage_with_its_loss_b_needs_no_engine_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first stage that is also the last, compiled whole with its loss, given
+    to B as the loss with no output gradient (the scalar's implicit one): B
+    calls the region's node itself, no autograd call, as for hidden-state
+    outputs. Gradients equal ordinary backward's on an identical eager copy,
+    two microbatches in flight."""
+    torch.manual_seed(0)
+    ref = FirstStage(16, head=True)
+    model = copy.deepcopy(ref)
+    model.compile(backend=fxsplit.backend(fallback="error"))
+    params = list(model.parameters())
+    before = fxsplit.compiled_regions()
+    losses = [model(token_ids(s)) for s in (0, 1)]
+    (region,) = new_regions(before)
+    engine_calls: list[int] = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: (engine_calls.append(1), real(*a, **k))[1])
+    works = [fxsplit.stage_backward_input(loss, None, [token_ids(s)], params)[1] for s, loss in enumerate(losses)]
+    assert not engine_calls and region.direct_b_runs == 2 and all(p.grad is None for p in params)
+    for work in works:
+        fxsplit.stage_backward_weight(params, work)
+    for (name, p), w in zip(model.named_parameters(), ordinary_backward(ref, [0, 1])):
+        assert_close(p.grad, w, msg=name)
+
 def _hook_regions(out: torch.Tensor, seen: list[tuple[int, str, list[torch.Tensor]]]) -> int:
     """Register a pre-hook and a hook on every compiled region's autograd node
     below ``out`` (numbered in the order of a walk from it), recording what fires."""
