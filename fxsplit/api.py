@@ -539,7 +539,8 @@ def _direct_call(
     would run them: :func:`fxsplit._torch_internals.node_has_hooks`); anomaly
     mode off; on CUDA, the current stream the default one."""
     flag, edges = config.direct_b, plan.direct_edges
-    if edges is None or flag is False or torch.is_anomaly_enabled() or not ti.all_plain(xs):
+    # (every target plain, and every output: _plain_pairs checked them where it read their nodes)
+    if edges is None or flag is False or torch.is_anomaly_enabled() or not ti.all_plain(xs if nodes else [*xs, *outs]):
         return None
     device = outs[0].device
     if device.type == "cpu" and flag is not True and edges:
