@@ -557,22 +557,16 @@ def _direct_call(
 def _gradients_by_output(
     node: Any, outs: list[Any], nodes: list[Node] | None, grads: list[torch.Tensor]
 ) -> dict[int, torch.Tensor] | None:
-    """``{output_nr: gradient}`` where every output is a plain tensor of
+    """``{output_nr: gradient}`` where every output (each a plain tensor) is
     ``node``'s (``nodes``: the outputs' nodes, where :func:`_plain_pairs` read
     them; else read here), each once, with nothing autograd's engine would
     run on its way into ``node`` (a tensor hook, ``retain_grad``); else ``None``."""
-    if not all(map(operator.is_, nodes if nodes is not None else _plain_nodes(outs), itertools.repeat(node))):
+    if not all(map(operator.is_, nodes if nodes is not None else map(_GRAD_FN, outs), itertools.repeat(node))):
         return None
     if any(map(_TENSOR_HOOKS, outs)) or any(map(_RETAINS_GRAD, outs)):
         return None
     by_output = dict(zip(map(_OUTPUT_NR, outs), grads))
     return by_output if len(by_output) == len(outs) else None
-
-
-def _plain_nodes(outs: list[Any]) -> list[Node | None]:
-    """The outputs' autograd nodes where every output is a plain tensor (outputs
-    given nested, or a loss with its gradient implicit), else ``[None]``."""
-    return list(map(_GRAD_FN, outs)) if ti.all_plain(outs) else [None]
 
 
 def _run_direct(

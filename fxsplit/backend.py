@@ -245,28 +245,26 @@ def _report_shared(name: str, split: SplitResult) -> None:
     """Say once per operator (per process) that it keeps weight work in B, and
     once per operator that its split rule computes other strides than it."""
     for shared in split.shared:
-        if shared.how not in ("unsplit", "rule") or shared.how == "rule" and not shared.other_strides:
+        if shared.how == "unsplit":
+            message = (
+                "fxsplit: %s: %s returns input and weight gradients from one call and has no split rule; it runs "
+                "whole in dI, so B does its weight-gradient work (outputs %s). Declare one with "
+                "fxsplit.register_split_rule(%r, ...)."
+            )
+            args = (name, shared.op, list(shared.dw_outputs), shared.op)
+        elif shared.other_strides:
+            message = (
+                "fxsplit: %s: the split rule for %s computes its outputs %s in other strides than the op; a weight "
+                "gradient out of its weight's layout is copied by autograd at W. A rule's outputs should have the "
+                "op's strides (fxsplit.rules)."
+            )
+            args = (name, shared.op, list(shared.other_strides))
+        else:
             continue
         with _REPORT_LOCK:
             first = (shared.how, shared.op) not in _REPORTED_OPS
             _REPORTED_OPS.add((shared.how, shared.op))
-        level = logging.WARNING if first else logging.DEBUG
-        if shared.how == "unsplit":
-            log.log(
-                level,
-                "fxsplit: %s: %s returns input and weight gradients from one call and has no split "
-                "rule; it runs whole in dI, so B does its weight-gradient work (outputs %s). "
-                "Declare one with fxsplit.register_split_rule(%r, ...).",
-                name, shared.op, list(shared.dw_outputs), shared.op,
-            )
-        else:
-            log.log(
-                level,
-                "fxsplit: %s: the split rule for %s computes its outputs %s in other strides than the op; "
-                "a weight gradient out of its weight's layout is copied by autograd at W. A rule's outputs "
-                "should have the op's strides (fxsplit.rules).",
-                name, shared.op, list(shared.other_strides),
-            )
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
 
 @dataclasses.dataclass
