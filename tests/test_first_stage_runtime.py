@@ -416,8 +416,9 @@ def test_hooks_on_a_first_stage_region_node_fire_at_b(layout: str, direct: Any, 
     itself): a hooked one is run by the engine, whose call stops at a weight
     with no tensor hook below it (``weight_hooks``: every weight but the
     embedding's has one; none fires at B). Gradients equal ordinary
-    backward's on an identical compiled copy; two microbatches in flight."""
-    _, model, _ = build(layout)
+    backward's on an identical compiled copy and an eager one; two
+    microbatches in flight."""
+    eager, model, _ = build(layout)
     _, ordinary, _ = build(layout)
     params = list(model.parameters())
     weight_seen: list[str] = []
@@ -448,8 +449,9 @@ def test_hooks_on_a_first_stage_region_node_fire_at_b(layout: str, direct: Any, 
             assert len(g) == len(w)
             for a, b in zip(g, w):
                 assert_close(a, b)
-    for (name, p), q in zip(model.named_parameters(), ordinary.parameters()):
+    for (name, p), q, e in zip(model.named_parameters(), ordinary.parameters(), ordinary_backward(eager, [0, 1])):
         assert_close(p.grad, q.grad, msg=name)
+        assert_close(p.grad, e, msg=name)
     assert sorted(weight_seen) == sorted(ordinary_weight_seen) and len(weight_seen) == (2 * (len(params) - 1)
                                                                                         if weight_hooks else 0)
 
