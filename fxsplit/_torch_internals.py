@@ -127,12 +127,19 @@ def generated_call(compiled: Any) -> BoxedCallable | None:
     call), runtime metrics and the autotune-cache bundle, which the first call
     (always made through ``__call__``) completes. ``tests/test_layouts.py``
     checks the profiler sees every call."""
+    global _INDUCTOR_DEBUG
     from torch._inductor.output_code import CompiledFxGraph
 
     if type(compiled) is not CompiledFxGraph:
         return None
+    from torch._inductor import debug
+
     inner = getattr(compiled, "current_callable", None)
+    _INDUCTOR_DEBUG = debug  # (read by graph_calls_observed before any inner call)
     return inner if callable(inner) else None
+
+
+_INDUCTOR_DEBUG: Any = None  # torch._inductor.debug, once generated_call has handed out a graph
 
 
 def graph_calls_observed() -> bool:
@@ -142,10 +149,7 @@ def graph_calls_observed() -> bool:
     or Inductor's execution-order record (``torch._inductor.debug.
     RECORD_GRAPH_EXECUTION``). Then graphs are called through
     ``CompiledFxGraph.__call__`` (:func:`generated_call`)."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return True
-    debug = sys.modules.get("torch._inductor.debug")
-    return bool(getattr(debug, "RECORD_GRAPH_EXECUTION", False))
+    return bool(torch.autograd.profiler._is_profiler_enabled or getattr(_INDUCTOR_DEBUG, "RECORD_GRAPH_EXECUTION", False))
 
 
 def inductor_patches(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:

@@ -737,6 +737,47 @@ def test_graphs_are_called_past_their_wrapper_only_while_no_one_records_each_cal
     assert len(calls) == 3 + 5, [e.name for e in calls]
 
 
+@pytest.mark.inductor
+def test_graphs_are_called_through_their_wrapper_while_inductor_records_execution_order() -> None:
+    """While Inductor records the order graphs run in
+    (``torch._inductor.debug.record_and_log_graph_execution_order``), every
+    dI, dW and fused call goes through ``CompiledFxGraph.__call__`` and is in
+    that record, past their second call too."""
+    from torch._inductor import debug
+
+    if not hasattr(debug, "record_and_log_graph_execution_order"):
+        pytest.skip(f"torch {torch.__version__} has no graph execution record")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxsplit.backend(fallback="error"))
+    params = list(model.parameters())
+
+    def step(split: bool) -> None:
+        for p, q in zip(params, ref.parameters()):
+            p.grad = q.grad = None
+        x, g = torch.randn(4, 8), torch.randn(4, 8)
+        out = compiled(x.clone().requires_grad_())
+        if split:
+            _, work = fxsplit.stage_backward_input([out], [g], [], params)
+            fxsplit.stage_backward_weight(params, work)
+        else:
+            out.backward(g)
+        ref(x).backward(g)
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+
+    for _ in range(3):
+        step(split=True)
+        step(split=False)
+    with debug.record_and_log_graph_execution_order():
+        step(split=True)
+        step(split=False)
+        order = list(debug.GRAPH_EXECUTION_ORDER)
+    # per step the forward, then dI and dW, or the fused backward
+    assert len(order) == 2 + 2 + 1, order
+
+
 def test_accumulating_dw_graphs_are_called_past_their_wrapper_too() -> None:
     """The dW variant that accumulates into ``.grad`` (every microbatch after a
     step's first) is called as dI and dW are: Inductor's generated code from
