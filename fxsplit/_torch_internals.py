@@ -711,10 +711,9 @@ def all_plain(values: Sequence[Any]) -> bool:
 _PLAIN = torch.Tensor
 _storage_offset = torch.Tensor.storage_offset
 
-# Readers for C-level passes over tensors and weak references (map(grad_of, weights)),
-# shared by the runtime, W's decisions and the public API.
+# A reader for C-level passes over tensors (map(grad_of, weights)), shared by
+# the runtime, W's decisions and the public API.
 grad_of: Callable[[Any], Any] = operator.attrgetter("grad")
-deref: Callable[[Any], Any] = weakref.ref.__call__  # a weak reference's referent (None once it died)
 _data_ptr = torch.Tensor.data_ptr
 
 

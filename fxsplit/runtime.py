@@ -47,8 +47,6 @@ from fxsplit.cudagraphs import RegionCapture, Slot, capture_backend, copy_exactl
 from fxsplit.layouts import BoundaryGuard
 from fxsplit.passes import SplitResult
 
-_deref = ti.deref
-
 log = logging.getLogger("fxsplit")
 
 __all__ = [
