@@ -732,7 +732,7 @@ def _stage_shape(
 ) -> StageShape | None:
     """The :class:`StageShape` of a plan :func:`_read_regions` completed for
     this call, or ``None`` where it cannot say (a weight that cannot be
-    referenced weakly)."""
+    referenced weakly; an output that is a stage input, not a region's)."""
     nodes = plan.split_regions
     index = {n: i for i, n in enumerate(nodes)}
     n_w, n_x = len(weights), len(xs)
@@ -746,6 +746,7 @@ def _stage_shape(
         read = [_region_shape(plan, i, out_nodes, n_w, index, weight_at, leaf_at, input_node_at, accumulate_grad)
                 for i in range(len(nodes))]
         refs = tuple(map(weakref.ref, weights))
+        output_regions = tuple(index[n] for n in out_nodes)  # (KeyError: an output that is an input, no region's)
     except (KeyError, ValueError, TypeError, StopIteration) as e:  # (a child it cannot place; a weight with no weak reference)
         log.debug("fxsplit: B: this stage's plan is not kept (%s: %s); B plans it on every call", type(e).__name__, e)
         return None
@@ -754,7 +755,7 @@ def _stage_shape(
         numbers = tuple((k, i, x.output_nr) for i, (k, x) in enumerate(zip(plan.direct_edges, xs)) if x.grad_fn is not None)
     return StageShape(
         refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shape for shape, _, _ in read),
-        tuple(index[n] for n in out_nodes), bool(plan.captures),
+        output_regions, bool(plan.captures),
         {**{k: v for k, v in vars(plan).items() if k not in _PER_CALL}, "bottom_regions": [], "captures": [],
          "w_side": frozenset(), "rerun": frozenset(), "commit_plans": [], "prepared": True}, numbers,
         tuple((i, k, j) for i, (_, region_kids, _) in enumerate(read) for k, j in region_kids),

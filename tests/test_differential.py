@@ -8,7 +8,7 @@ index ops, in-place ops on intermediates, dtype round trips,
 ``torch.utils.checkpoint``, detach, a graph break, a second input without
 grad, tensor / tuple / dict outputs, an output that eager weight code also
 consumes, tensor and post-accumulate-grad hooks on some weights, a first
-stage: an input that needs no gradient), and runs two
+stage: an input that needs no gradient, the input itself among the outputs), and runs two
 steps of two microbatches each in the zero-bubble order B0 B1 W1 W0, the
 second step at other sizes (a dynamic recompile) and into the ``.grad`` the
 first left (fused gradient accumulation). Three identical copies run the same
@@ -252,6 +252,7 @@ class Stage(nn.Module):
         self.inductor = False
         self.first_stage = rng.random() < 0.25  # (drawn after the rest: a seed's stage stays as it was)
         self.node_hooks = rng.random() < 0.3  # hooks on the outputs' compiled regions' nodes
+        self.passes_input = rng.random() < 0.2  # the input itself is an output too
 
     def describe(self) -> str:
         parts = []
@@ -261,9 +262,18 @@ class Stage(nn.Module):
             parts.append(type(b).__name__ + (f"({extra})" if extra else ""))
         first = ", first stage (the input needs no gradient)" if self.first_stage else ""
         first += ", hooks on the outputs' region nodes" if self.node_hooks else ""
+        first += ", the input an output too" if self.passes_input else ""
         return f"blocks {parts}, output {self.output}, unused param {hasattr(self, 'unused')}{first}"
 
     def forward(self, x: torch.Tensor, side: torch.Tensor, ids: torch.Tensor) -> Any:
+        out = self._forward(x, side, ids)
+        if not self.passes_input:
+            return out
+        if isinstance(out, dict):
+            return {**out, "x": x}
+        return (*out, x) if isinstance(out, tuple) else (out, x)
+
+    def _forward(self, x: torch.Tensor, side: torch.Tensor, ids: torch.Tensor) -> Any:
         ctx = {"side": side, "ids": ids}
         h = x
         for b in self.blocks:

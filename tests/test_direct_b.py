@@ -632,3 +632,53 @@ def test_the_region_lets_go_of_its_saved_activations_before_its_backward_graph_r
             _assert_same(model, eager)
     assert held == {"dI": [False] * 3, "fused": [False] * 3}, held
     assert regions[0].direct_b_runs == (3 if direct_b and stage != "eager_below" else 0)
+
+
+class _PassesItsInput(nn.Module):
+    """A block whose outputs are its result and its input itself (or a view of it)."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.lin, self.view = nn.Linear(8, 8), view
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.nn.functional.gelu(self.lin(x)), x.view(2, 2, 8) if self.view else x
+
+
+@pytest.mark.parametrize("flag", [True, False, "auto"])
+@pytest.mark.parametrize("kind", ["leaf", "non_leaf", "view"])
+def test_a_stage_that_returns_its_input_splits_as_ordinary_backward(flag: Any, kind: str) -> None:
+    """A stage whose outputs include its input itself (a leaf, as a pipeline
+    stage's input is, or a tensor made upstream) or a view of it: B then W
+    give ordinary backward's gradients on a compiled and an uncompiled copy,
+    on every microbatch, under every ``direct_b`` (B goes through the engine:
+    an output is not the region's). A non-leaf input returned as it is
+    failed B outright before 2026-11-29. (B detaches such an output in
+    place, as upstream's B detaches every output that is no view.)"""
+    torch.manual_seed(0)
+    model = _PassesItsInput(view=kind == "view")
+    compiled_copy, eager_copy = copy.deepcopy(model), copy.deepcopy(model)
+    fn, ordinary_fn = _compiled(model, "inductor"), _compiled(compiled_copy, "inductor")
+    params = list(model.parameters())
+    with fxsplit.config.patch(direct_b=flag):
+        for _ in range(3):
+            for m in (model, compiled_copy, eager_copy):
+                m.zero_grad(set_to_none=True)
+            x = torch.randn(4, 8)
+            gs = [torch.randn(4, 8), torch.randn(2, 2, 8) if kind == "view" else torch.randn(4, 8)]
+            found = []
+            for f in (fn, ordinary_fn, eager_copy):
+                leaf = x.clone().requires_grad_()
+                xi = leaf * 1.0 if kind == "non_leaf" else leaf
+                outs = list(f(xi))
+                if f is fn:
+                    (dx,), work = fxsplit.stage_backward_input(outs, gs, [xi], params)
+                    fxsplit.stage_backward_weight(params, work)
+                    found.append(dx)  # (a non-leaf input is ``leaf * 1.0``: the same gradient as ``leaf``'s)
+                else:
+                    torch.autograd.backward(outs, gs)
+                    found.append(leaf.grad)
+            torch.testing.assert_close(found[0], found[1])
+            torch.testing.assert_close(found[0], found[2])
+            _assert_same(model, compiled_copy)
+            _assert_same(model, eager_copy)
