@@ -682,3 +682,41 @@ def test_a_stage_that_returns_its_input_splits_as_ordinary_backward(flag: Any, k
             torch.testing.assert_close(found[0], found[2])
             _assert_same(model, compiled_copy)
             _assert_same(model, eager_copy)
+
+
+class _PlainTensorWeights(nn.Module):
+    """Weights held as plain tensors that require grad, not ``nn.Parameter`` (functional code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, self.w1)), self.w2)
+
+
+@pytest.mark.parametrize("flag", [True, False, "auto"])
+def test_plain_tensor_weights_split_as_ordinary_backward(flag: Any) -> None:
+    """Weights given to B and W as plain leaf tensors (B's plan for compiled
+    regions only takes ``nn.Parameter`` weights; these take the general plan):
+    on every microbatch, the input gradient and each weight's ``.grad`` equal
+    ordinary backward's on a compiled and an uncompiled copy."""
+    torch.manual_seed(0)
+    model = _PlainTensorWeights()
+    copies = [_PlainTensorWeights(), _PlainTensorWeights()]
+    for c in copies:
+        c.w1, c.w2 = model.w1.detach().clone().requires_grad_(), model.w2.detach().clone().requires_grad_()
+    fn, ordinary_fns = _compiled(model, "inductor"), [_compiled(copies[0], "inductor"), copies[1]]
+    weights = [model.w1, model.w2]
+    with fxsplit.config.patch(direct_b=flag):
+        for _ in range(3):
+            x, g = torch.randn(4, 8), torch.randn(4, 8)
+            xi = x.clone().requires_grad_()
+            (dx,), work = fxsplit.stage_backward_input([fn(xi)], [g], [xi], weights)
+            fxsplit.stage_backward_weight(weights, work)
+            for c, f in zip(copies, ordinary_fns):
+                xo = x.clone().requires_grad_()
+                f(xo).backward(g)
+                torch.testing.assert_close(dx, xo.grad)
+                torch.testing.assert_close(model.w1.grad, c.w1.grad)
+                torch.testing.assert_close(model.w2.grad, c.w2.grad)

@@ -368,3 +368,18 @@ def test_a_weight_listed_twice_is_accumulated_once(mode: str) -> None:
         fxsplit.stage_backward_weight(weights, work)
         assert_grads_equal([p.grad for p in params], ref_dw)
         assert sorted(fired) == list(range(len(params))), fired
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_w_takes_b_weights_in_another_order(mode: str) -> None:
+    """W given B's weights in another order (the same set) commits each
+    weight's own gradient, ordinary backward's, and returns the gradients in
+    the order W was given."""
+    s = scene(mode)
+    dinputs, work1 = fxsplit.stage_backward_input([s.out1], [grads_like(s.out1, 1)], [s.x1], s.params)
+    torch.testing.assert_close(dinputs[0], s.ref_dins[1][0])
+    reordered = s.params[::-1]
+    returned = fxsplit.stage_backward_weight(reordered, work1)
+    fxsplit.stage_backward_weight(s.params[1:] + s.params[:1], s.work0)
+    assert all(r is p.grad for r, p in zip(returned, reordered))
+    assert_grads_equal([p.grad for p in s.params], [r + p for r, p in zip(s.ref_dw, s.pre)])
