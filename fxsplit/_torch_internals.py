@@ -23,13 +23,13 @@ import dataclasses
 import functools
 import itertools
 import operator
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch._dynamo.compiled_autograd as _compiled_autograd
 import torch.fx as fx
 
 BoxedCallable = Callable[[list[Any]], Any]
@@ -941,10 +941,9 @@ def compiled_autograd_enabled() -> bool:
     """Whether compiled autograd (``torch._dynamo.compiled_autograd._enable``) is on
     for backward calls made now. Relies on the module flag
     ``torch._dynamo.compiled_autograd.compiled_autograd_enabled``, which
-    ``_enable`` sets and ``_disable`` clears; the module is only consulted when
-    already imported (nothing enables compiled autograd without importing it)."""
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(getattr(ca, "compiled_autograd_enabled", False))
+    ``_enable`` sets and ``_disable`` clears (the module is imported with
+    ``torch._dynamo``, which fxsplit imports)."""
+    return bool(getattr(_compiled_autograd, "compiled_autograd_enabled", False))
 
 
 def engine_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor], inputs: Sequence[Any]) -> None:

@@ -33,6 +33,10 @@ from fxsplit.pending import PendingWeightGrads
 from fxsplit.runtime import DeferredGrad, InputCall, registered, run_directly
 
 log = logging.getLogger("fxsplit")
+# B and W ask log.isEnabledFor(logging.DEBUG) on every call. The answers it keeps
+# (logging.Logger._cache: emptied, never replaced, when any level changes): where
+# they hold "DEBUG is off", one dict read answers instead of a call.
+_LEVELS: dict[int, bool] = getattr(log, "_cache", {})
 
 __all__ = [
     "MissingOutputGradError",
@@ -501,7 +505,7 @@ def _record_b(
             # survive the detach, or the output stays attached.
             if not o._is_view() and (not users or ti.keep_saved_through_detach(users, o)):
                 o.detach_()
-    if log.isEnabledFor(logging.DEBUG):
+    if _LEVELS.get(logging.DEBUG, True) and log.isEnabledFor(logging.DEBUG):  # (one dict read: see _LEVELS)
         log.debug(
             "fxsplit: B: dI ran compiled in %s, eager autograd for the rest; W pending: %s",
             ", ".join(sorted({r.region for r in work.compiled})) or "no region", work.summary(),
@@ -684,7 +688,7 @@ def stage_backward_weight(
     work = _check_weight_call(weights, param_groups)
     if ti.compiled_autograd_enabled():
         _refuse_compiled_autograd("stage_backward_weight", work.regions_passed_through)
-    message = _w_message(work) if log.isEnabledFor(logging.DEBUG) else ""
+    message = _w_message(work) if _LEVELS.get(logging.DEBUG, True) and log.isEnabledFor(logging.DEBUG) else ""
     work.run(fused_accumulation)
     if message:
         log.debug("%s", message)
