@@ -842,10 +842,9 @@ def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | Non
 set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
-def autocast_disabled() -> Any:
-    """Turn autocast off, as AOTAutograd does around compiled graphs that were
-    traced with autocast on (``torch._C._DisableAutocast``)."""
-    return torch._C._DisableAutocast()
+# ``with autocast_disabled():`` turns autocast off, as AOTAutograd does around
+# compiled graphs that were traced with autocast on (a C context manager: no Python frame).
+autocast_disabled: Callable[[], Any] = torch._C._DisableAutocast
 
 
 def compiled_output_strides(compiled: Any) -> list[tuple[int, ...] | None] | None:

@@ -485,7 +485,10 @@ def _record_b(
 ) -> PendingWeightGrads:
     """What B leaves for W (``work``, which B's call filled, completed), and the
     outputs marked as B's (detached in place where they may be)."""
-    work.hand_over(saved, out_edges, grads)
+    if plan.groups:
+        work.hand_over(saved, out_edges, grads)
+    else:
+        work.plan = None  # (nothing to hand over: the plan, and the nodes it holds, let go of)
     if work.retains_graph:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
         anchors = [a for a in (ti.graph_anchor(o) for o in outs if isinstance(o, torch.Tensor)) if a is not None]
         if anchors:
@@ -624,7 +627,7 @@ def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> Pendin
         )
     if param_groups.done:
         raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
-    expected_weights = param_groups.weights
+    expected_weights = param_groups._weights
     if len(expected_weights) == len(weights) and all(map(operator.is_, expected_weights, weights)):
         return param_groups  # the same weights in the same order: the common case
     given = {id(w) for w in weights}

@@ -654,12 +654,11 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         out_edges: Sequence[GradientEdge],
         out_grads: Sequence[torch.Tensor],
     ) -> None:
-        """B's end: the plan's eager groups made from what B saved and handed
-        over (values that no given weight needs are dropped here), and the plan
-        let go of. A stage of compiled regions only has no group."""
+        """B's end where the plan has eager groups: the groups made from what B
+        saved and handed over (values that no given weight needs are dropped
+        here), and the plan let go of. (A stage of compiled regions only has
+        no group: B lets go of its plan itself.)"""
         plan, self.plan = self.plan, None
-        if not plan.groups:
-            return
         region_index = {n: k for k, n in enumerate(plan.region_starts)}
         handed: dict[int, list[tuple[GradientEdge, torch.Tensor]]] = {}
         for d in self.deferred:
@@ -1119,4 +1118,4 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         self.compiled = []
         self.groups = ()
         self._split_regions = self._rerun = self._anchors = ()
-        self._committed = set()
+        self._committed = set()  # (``committed`` reads 0 after a complete W)

@@ -430,8 +430,7 @@ class CompiledWeightWork:
         # Each param's grad accumulator, as the region's autograd node links it
         # (None where params has None): W hands the gradients to these.
         self.accumulators = accumulators if accumulators is not None else [None] * len(params)
-        if di_storages:
-            self._di_storages = di_storages
+        self._di_storages = di_storages
         if slot is not None:
             self.slot = slot
             slot.hold(self)
@@ -710,6 +709,9 @@ class CompiledGraphs:
         calls a graph: from its third call on, its generated code itself."""
         if key is None:
             key = self.accumulating_key(positions, grads)
+        inner = self._inner.get(key)  # (set once the variant compiled and ran through its wrapper)
+        if inner is not None and not ti.graph_calls_observed():
+            return inner
         fn = self._compiled.get(key, _UNCOMPILED)
         if fn is _UNCOMPILED:
             self._graph("dW")  # the variant is compiled for the live-ins' layout, as dW
@@ -720,12 +722,7 @@ class CompiledGraphs:
                     fit = variants < MAX_ACCUMULATING_LAYOUTS
                     self._compiled[key] = self.graphs.compile_accumulating(positions, grads) if fit else None
                 fn = self._compiled[key]
-        if fn is None:
-            return None
-        inner = self._inner.get(key)
-        if inner is not None and not ti.graph_calls_observed():
-            return inner
-        return self._called_once_more(key, fn)
+        return None if fn is None else self._called_once_more(key, fn)
 
 
 
@@ -939,14 +936,11 @@ class CompiledSplitBackward(CompiledGraphs):
                 dt = time.perf_counter_ns() - t0
         finally:
             ti.set_grad_enabled(grad_mode)
-        self._count("dW", dt, timings, "w_graph_ns")
+        self.graph_ns["dW"] += dt
+        if timings is not None:
+            timings["w_graph_ns"] += dt
         self.stats["dw_runs"] += 1
         return out
-
-    def _count(self, kind: str, ns: int, timings: dict[str, int] | None, key: str) -> None:
-        self.graph_ns[kind] += ns
-        if timings is not None:
-            timings[key] = timings.get(key, 0) + ns
 
     @property
     def boundary(self) -> BoundaryGuard:
@@ -973,7 +967,9 @@ class CompiledSplitBackward(CompiledGraphs):
             dt = time.perf_counter_ns() - t0
         else:
             outs, slot, dt = self._di_with_cudagraphs(capture, args, n)
-        self._count("dI", dt, timings, "b_graph_ns")
+        self.graph_ns["dI"] += dt
+        if timings is not None:
+            timings["b_graph_ns"] += dt
         guard(outs)
         self.stats["di_runs"] += 1
         return outs[:n], outs[n:], slot

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import operator
 import weakref
@@ -467,6 +468,7 @@ def _direct_edges(node: Node, xs: Sequence[torch.Tensor]) -> tuple[int, ...] | N
 _first = operator.itemgetter(0)
 _variable = operator.attrgetter("variable")
 _requires_grad = operator.attrgetter("requires_grad")
+_grad_fn = operator.attrgetter("grad_fn")
 
 
 def _once() -> bool:
@@ -612,8 +614,8 @@ class _RegionShape:
     and ``accumulators_at`` are the positions, among those children, of the
     stage inputs' gradient nodes and of the grad accumulators (whose
     variables must be given tensors); ``expected`` the positions of what they
-    must be in the call's pool ``[*weights, *inputs]`` (an input is its
-    gradient node, or itself where it is a leaf). Children that are regions
+    must be in the call's pool ``[*weights, *inputs, *their gradient nodes]``
+    (a leaf input is matched as itself, another by its gradient node). Children that are regions
     are :attr:`StageShape.region_children`. ``params``: positions in
     ``[*weights, None]`` of the plan's ``region_params`` row.
     """
@@ -672,6 +674,8 @@ class StageShape:
     # leaves that were neither a given weight nor an input (W computes no
     # gradient for them): each must still hold neither
     others: tuple[tuple[int, int], ...]
+    # Each region's ``params`` (see _RegionShape), by position in the regions
+    params: tuple[tuple[int, ...], ...]
 
     def _misses_across(self, nodes: list[Any], children: list[list[Any]], pool: list[Any]) -> bool:
         """Whether, every region's node found, a child that must be another
@@ -694,7 +698,7 @@ class StageShape:
             return None
         nodes: list[Any] = []
         children: list[list[Any]] = []
-        pool = [*weights, *[x if x.grad_fn is None else x.grad_fn for x in xs]]
+        pool = [*weights, *xs, *map(_grad_fn, xs)]  # (a leaf input is matched as itself, another by its node)
         for r in self.regions:
             node = out_nodes[r.at] if r.parent < 0 else children[r.parent][r.at]
             if type(node) is not r.cls:
@@ -718,8 +722,8 @@ class StageShape:
         plan = object.__new__(EagerWeightPlan)  # (the fields every replay shares, then this call's)
         plan.__dict__.update(self.fields)
         plan.split_regions = nodes
-        row = [*weights, None]
-        plan.region_params = dict(zip(nodes, [list(map(row.__getitem__, r.params)) for r in self.regions]))
+        row = [*weights, None]  # (each region's params, positions in row, read in C-level passes)
+        plan.region_params = dict(zip(nodes, map(list, map(map, itertools.repeat(row.__getitem__), self.params))))
         plan.region_children = dict(zip(nodes, children))
         if self.first:
             plan.bottom_regions = nodes
@@ -743,7 +747,7 @@ def _stage_shape(
     input_node_at = {x.grad_fn: i for i, x in enumerate(xs) if x.grad_fn is not None}
     accumulate_grad = ti.accumulate_grad_type()
     try:
-        read = [_region_shape(plan, i, out_nodes, n_w, index, weight_at, leaf_at, input_node_at, accumulate_grad)
+        read = [_region_shape(plan, i, out_nodes, n_w, n_x, index, weight_at, leaf_at, input_node_at, accumulate_grad)
                 for i in range(len(nodes))]
         refs = tuple(map(weakref.ref, weights))
         output_regions = tuple(index[n] for n in out_nodes)  # (KeyError: an output that is an input, no region's)
@@ -760,11 +764,12 @@ def _stage_shape(
          "w_side": frozenset(), "rerun": frozenset(), "commit_plans": [], "prepared": True}, numbers,
         tuple((i, k, j) for i, (_, region_kids, _) in enumerate(read) for k, j in region_kids),
         tuple((i, k) for i, (_, _, others) in enumerate(read) for k in others),
+        tuple(shape.params for shape, _, _ in read),
     )
 
 
 def _region_shape(
-    plan: EagerWeightPlan, i: int, out_nodes: Sequence[Any], n_w: int, index: dict[Any, int],
+    plan: EagerWeightPlan, i: int, out_nodes: Sequence[Any], n_w: int, n_x: int, index: dict[Any, int],
     weight_at: dict[int, int], leaf_at: dict[int, int], input_node_at: dict[Any, int], accumulate_grad: type,
 ) -> tuple[_RegionShape, list[tuple[int, int]], list[int]]:
     """Region ``i`` of the plan as :class:`StageShape` keeps it, its children
@@ -795,7 +800,7 @@ def _region_shape(
             regions.append((k, index[c]))
         else:
             node_pos.append(k)
-            node_exp.append(n_w + input_node_at[c])
+            node_exp.append(n_w + n_x + input_node_at[c])
     params = [n_w if p is None else weight_at[id(p)] for p in plan.region_params[node]]
     return _RegionShape(type(node), parent, at, tuple(map(type, kids)), tuple(node_pos), tuple(acc_pos),
                         tuple(node_exp + acc_exp), tuple(params)), regions, others
