@@ -407,8 +407,9 @@ class CompiledWeightWork:
     # Defaults, replaced (never mutated) where an instance differs:
     # The CUDA graph slot whose buffers hold the live-ins (fxsplit.cudagraphs), held until release.
     slot: Slot | None = None
-    # Storages of the input gradients B returned (see held_elsewhere).
-    _di_storages: AbstractSet[int] = frozenset()
+    # Storages, as B left them, of the input gradients it returned and of the
+    # live-ins that are the backward's own inputs (see held_elsewhere).
+    _b_storages: AbstractSet[int] = frozenset()
     # held_elsewhere and live_in_storages, once read.
     _held: frozenset[int] | None = None
     _storages: set[int] | None = None
@@ -420,7 +421,7 @@ class CompiledWeightWork:
         params: list[torch.Tensor | None],
         accumulators: list[Any] | None = None,
         slot: Slot | None = None,
-        di_storages: AbstractSet[int] = frozenset(),
+        b_storages: AbstractSet[int] = frozenset(),
     ) -> None:
         self._owner = owner
         self._live_ins: list[Any] | None = live_ins
@@ -430,7 +431,7 @@ class CompiledWeightWork:
         # Each param's grad accumulator, as the region's autograd node links it
         # (None where params has None): W hands the gradients to these.
         self.accumulators = accumulators if accumulators is not None else [None] * len(params)
-        self._di_storages = di_storages
+        self._b_storages = b_storages
         if slot is not None:
             self.slot = slot
             slot.hold(self)
@@ -527,24 +528,22 @@ class CompiledWeightWork:
         output in one of them is someone else's, as autograd would see it.
         A dW graph's outputs share storage only with its inputs (the
         live-ins), so an input gradient that is no live-in is left out: its
-        storage may have been freed since B and be a new output's."""
+        storage may have been freed since B and be a new output's. (B read
+        the storages of both kinds, ``b_storages``; the backward's own inputs
+        among the live-ins are live-ins.)"""
         if self._held is None:
-            held = ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_at)))
-            if self._di_storages:
-                held |= self._di_storages & self.live_in_storages()
-            self._held = frozenset(held)
+            self._check()
+            self._held = frozenset(self._b_storages & self.live_in_storages()) if self._b_storages else frozenset()
         return self._held
 
     def holds_none_of(self, ptrs: set[int]) -> bool:
         """Whether none of the storages ``ptrs`` (data pointers) is in
         :attr:`held_elsewhere`, reading the live-ins only as far as that needs:
-        the input gradients' storages are few, and only one of them among
-        ``ptrs`` calls for the storages of every live-in."""
+        the storages B read are few, and only one of them among ``ptrs``
+        calls for the storages of every live-in."""
         if self._held is not None:
             return ptrs.isdisjoint(self._held)
-        if not ptrs.isdisjoint(ti.storage_ptrs(list(map(self._check().__getitem__, self._owner.passthrough_at)))):
-            return False
-        return ptrs.isdisjoint(self._di_storages) or ptrs.isdisjoint(self.held_elsewhere)
+        return ptrs.isdisjoint(self._b_storages) or ptrs.isdisjoint(self.held_elsewhere)
 
     def release(self) -> None:
         self._live_ins = None
@@ -1095,7 +1094,8 @@ class CompiledSplitBackward(CompiledGraphs):
             if edges is None:
                 edges = node.next_functions
             params, accumulators = self._params_of(edges, call.weight_ids)
-        call.compiled.append(CompiledWeightWork(self, live, params, accumulators, slot, ti.storage_ptrs(di_vals)))
+        b_storages = ti.storage_ptrs([*di_vals, *map(live.__getitem__, self.passthrough_at)])  # (see held_elsewhere)
+        call.compiled.append(CompiledWeightWork(self, live, params, accumulators, slot, b_storages))
         result = self._assemble(di_vals, None)
         # Input gradients this B call does not use may be needed by W's eager
         # part (an eager weight upstream of this region): hand them to it.
