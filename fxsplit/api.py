@@ -625,8 +625,6 @@ def _check_weight_call(weights: list[torch.Tensor], param_groups: Any) -> Pendin
             "fxsplit: stage_backward_weight needs the param_groups returned by fxsplit.stage_backward_input "
             f"for the same microbatch (W with no matching B); got {type(param_groups).__name__}"
         )
-    if param_groups.done:
-        raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
     expected_weights = param_groups._weights
     if len(expected_weights) == len(weights) and all(map(operator.is_, expected_weights, weights)):
         return param_groups  # the same weights in the same order: the common case

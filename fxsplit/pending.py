@@ -407,8 +407,6 @@ def _hooks(weights: Sequence[torch.Tensor]) -> tuple[tuple[bool, ...], tuple[boo
 
 def _repeated(ptrs: list[int | None]) -> set[int | None]:
     """The storages more than one gradient has (someone else's too, for each)."""
-    if len(set(ptrs)) == len(ptrs):
-        return set()
     seen: set[int | None] = set()
     twice: set[int | None] = set()
     for p in ptrs:
@@ -1042,7 +1040,7 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         copy it. Autograd's engine would otherwise make exactly this
         assignment, at the cost of an engine call."""
         ptrs = ti.storage_ptr_list(list(itertools.chain.from_iterable(map(_third, results))))
-        shared = _repeated(ptrs)
+        shared = set() if len(set(ptrs)) == len(ptrs) else _repeated(ptrs)  # (the common case, without a call)
         taken_weights: list[torch.Tensor] = []
         taken_grads: list[torch.Tensor] = []
         end = 0

@@ -423,7 +423,7 @@ class CompiledWeightWork:
         slot: Slot | None = None,
         b_storages: AbstractSet[int] = frozenset(),
     ) -> None:
-        self._owner = owner
+        self.owner = owner  # (the region's CompiledSplitBackward)
         self._live_ins: list[Any] | None = live_ins
         self.params = params
         # Whether every weight gradient's weight was given to B (none of params is None).
@@ -438,11 +438,7 @@ class CompiledWeightWork:
 
     @property
     def region(self) -> str:
-        return self._owner.name
-
-    @property
-    def owner(self) -> CompiledSplitBackward:
-        return self._owner
+        return self.owner.name
 
     @property
     def live_in_bytes(self) -> int:
@@ -486,8 +482,8 @@ class CompiledWeightWork:
         observable: the live-ins stay held until :meth:`release`. The time
         inside the graph is added to ``timings["w_graph_ns"]``."""
         # Pass a copy: compiled graphs clear their argument list.
-        outs = self._owner.run_dw(list(self._check()), timings, self.slot)
-        return self._select(self._owner.weight_gradient_values(outs), wanted)
+        outs = self.owner.run_dw(list(self._check()), timings, self.slot)
+        return self._select(self.owner.weight_gradient_values(outs), wanted)
 
     def accumulate(
         self,
@@ -502,12 +498,12 @@ class CompiledWeightWork:
         ``.grad``, ``grads`` (:meth:`CompiledSplitBackward.accumulating_graph`),
         and return the other gradients as :meth:`compute` does. Not pure: once
         called, the weights at ``positions`` count as accumulated."""
-        outs = self._owner.run_dw(list(self._check()) + grads, timings, self.slot, graph, tuple(positions))
-        self._owner.accumulating_runs += 1
+        outs = self.owner.run_dw(list(self._check()) + grads, timings, self.slot, graph, tuple(positions))
+        self.owner.accumulating_runs += 1
         # In-place writes of compiled kernels do not bump the version counter
         # that autograd's own in-place accumulation bumps.
         torch.autograd.graph.increment_version(grads)
-        return self._select(self._owner.weight_gradient_values(outs), wanted)
+        return self._select(self.owner.weight_gradient_values(outs), wanted)
 
     def live_in_storages(self) -> set[int]:
         """Data pointers of the live-ins' storages (a ``.grad`` sharing one must
