@@ -496,10 +496,10 @@ def watch_node_hooks() -> None:
     setattr(cls, _HOOKED, False)
 
 
-def node_has_hooks(node: Any) -> bool:
-    """Whether a hook was ever registered on ``node`` (a custom-Function node
-    created after :func:`watch_node_hooks`; a removed hook still counts)."""
-    return getattr(node, _HOOKED, False)
+# node_has_hooks(node): whether a hook was ever registered on ``node``, a custom-Function
+# node (a split region's; :func:`watch_node_hooks` ran before any existed); a removed hook
+# still counts. A C-level read: B asks on every call.
+node_has_hooks: Callable[[Any], bool] = operator.attrgetter(_HOOKED)
 
 
 def aot_saved_args(node: Any) -> list[Any]:
@@ -531,13 +531,14 @@ def aot_backward_state() -> tuple[bool, bool, bool, bool]:
     it off for graphs compiled under it), whether deterministic algorithms
     are on (it refuses graphs compiled without), whether a functorch
     transform is active (it refuses any), whether grad mode is on (double
-    backward)."""
-    return (
-        torch._C._is_any_autocast_enabled(),
-        torch._C._get_deterministic_algorithms(),
-        torch._C._functorch.peek_interpreter_stack() is not None,
-        torch.is_grad_enabled(),
-    )
+    backward). B asks on every call: the four readers are bound once."""
+    return (_autocast_on(), _deterministic(), _functorch_stack() is not None, _grad_on())
+
+
+_autocast_on = torch._C._is_any_autocast_enabled
+_deterministic = torch._C._get_deterministic_algorithms
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
+_grad_on = torch._C.is_grad_enabled
 
 
 def current_autograd_node() -> Any:

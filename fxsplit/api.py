@@ -101,12 +101,12 @@ def _b_ran_on(o: torch.Tensor) -> bool:
     return bool(node.metadata.get(_B_DONE, False))
 
 
-def _refuse_create_graph(create_graph: bool) -> None:
-    if create_graph:
-        raise NotImplementedError(
-            "fxsplit: create_graph=True (double backward) is not supported through a split backward; "
-            "use torch.autograd.grad(..., create_graph=True) on the unsplit graph instead"
-        )
+def _refuse_create_graph() -> None:
+    """Raise for ``create_graph=True`` (each caller checks the flag itself: B and W do on every call)."""
+    raise NotImplementedError(
+        "fxsplit: create_graph=True (double backward) is not supported through a split backward; "
+        "use torch.autograd.grad(..., create_graph=True) on the unsplit graph instead"
+    )
 
 
 def _refuse_compiled_autograd(what: str, regions: int) -> None:
@@ -351,7 +351,8 @@ def _checked_call(
     ones made) and weights, and the outputs' autograd nodes where every output
     is a plain tensor (:func:`_plain_pairs`; else ``None``); raises, naming the
     problem, before any work."""
-    _refuse_create_graph(create_graph)
+    if create_graph:
+        _refuse_create_graph()
     if config.direct_b is not True and config.direct_b is not False and config.direct_b != "auto":
         config.current("direct_b")  # raises ValueError, naming the option
     if config.skip_aot_wrapper is not True and config.skip_aot_wrapper is not False:
@@ -682,7 +683,8 @@ def stage_backward_weight(
     runs (a dW graph, a hook, out of memory, ``KeyboardInterrupt``) leaves the
     weights not yet accumulated pending: call W again with the same arguments.
     """
-    _refuse_create_graph(create_graph)
+    if create_graph:
+        _refuse_create_graph()
     weights = list(weights)
     if fused_accumulation not in (None, True, False):
         raise TypeError(f"fxsplit: fused_accumulation must be True, False or None, got {fused_accumulation!r}")
@@ -723,7 +725,8 @@ def stage_backward(
     as upstream does. fxsplit-compiled regions run their fused backward.
     Gradients are checked as in :func:`stage_backward_input`.
     """
-    _refuse_create_graph(create_graph)
+    if create_graph:
+        _refuse_create_graph()
     if outputs_with_grads_idxs is not None:
         stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
         output_grads = [output_grads[i] for i in outputs_with_grads_idxs]

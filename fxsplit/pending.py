@@ -852,17 +852,8 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("fxsplit: stage_backward_weight is already running for these param_groups")
         try:
-            if self.done:
-                raise RuntimeError(
-                    "fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B"
-                )
-            if self._unknown:
-                raise RuntimeError(
-                    "fxsplit: W cannot be repeated for these param_groups: an earlier W was interrupted "
-                    f"while adding the gradients of {self._describe(self._unknown)} into .grad inside a "
-                    "compiled dW graph, at a point where fxsplit cannot tell whether they were added; "
-                    "those .grad tensors are unreliable: zero them (or restore them) and redo the step"
-                )
+            if self.done or self._unknown:
+                self._refuse_again()
             t0 = time.perf_counter_ns()
             try:
                 self._compute_and_commit(fused_accumulation)
@@ -877,6 +868,16 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
                 self.timings["w_ns"] += time.perf_counter_ns() - t0
         finally:
             self._lock.release()
+
+    def _refuse_again(self) -> None:
+        if self.done:
+            raise RuntimeError("fxsplit: stage_backward_weight already ran for these param_groups; W runs once per B")
+        raise RuntimeError(
+            "fxsplit: W cannot be repeated for these param_groups: an earlier W was interrupted "
+            f"while adding the gradients of {self._describe(self._unknown)} into .grad inside a "
+            "compiled dW graph, at a point where fxsplit cannot tell whether they were added; "
+            "those .grad tensors are unreliable: zero them (or restore them) and redo the step"
+        )
 
     def _describe(self, positions: Sequence[int]) -> str:
         shown = ", ".join(f"weights[{k}] (shape {list(self._weights[k].shape)})" for k in positions[:8])
@@ -1097,14 +1098,16 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         return commits
 
     def _take(self, weights: list[torch.Tensor], grads: list[torch.Tensor], position: Mapping[int, int]) -> None:
-        """Commit each weight by ``weight.grad = gradient``. What happened is
-        read off ``.grad`` afterwards, also after an interruption, so every
-        weight is either committed (and recorded so) or untouched."""
+        """Commit each weight by ``weight.grad = gradient`` (plain weights: the
+        assignment stores the gradient itself). Interrupted, what happened is
+        read off ``.grad``, so every weight is either committed (and recorded
+        so) or untouched."""
         try:
             collections.deque(map(setattr, weights, itertools.repeat("grad"), grads), maxlen=0)
+        except BaseException:  # interrupted: the weights it set are committed
+            weights = [w for w, g in zip(weights, grads) if w.grad is g]
+            raise
         finally:
-            if not all(map(operator.is_, map(_grad_of, weights), grads)):  # interrupted
-                weights = [w for w, g in zip(weights, grads) if w.grad is g]
             grads.clear()  # (W keeps no reference to a gradient it handed over)
             self._committed.update(map(id, weights))
             self._handed_over_at += tuple(map(position.__getitem__, map(id, weights)))

@@ -818,6 +818,7 @@ class CompiledSplitBackward(CompiledGraphs):
         # case), _record reads them in one C-level pass.
         flags = self.layout.input_is_tensor
         self._num_edges = sum(flags)
+        self._n_di = len(self.split.di_outputs)
         self._has_subclass_inputs = bool(self.layout.subclass_inputs)
         self._weight_edges: tuple[int | None, ...] = tuple(
             sum(flags[: g.input_index]) if g.input_index < len(flags) and flags[g.input_index] else None
@@ -954,20 +955,19 @@ class CompiledSplitBackward(CompiledGraphs):
         the live-ins (``None`` uncaptured), which the caller hands to the W
         work (or releases)."""
         guard = self._boundary or self.boundary
-        n = len(self.split.di_outputs)
         capture = self._capture if self._capture_decided else self._decide_capture(args)
         if capture is None and self._tree_notice is None:  # (as decided on the first call: no CUDA graphs)
             t0 = time.perf_counter_ns()
             outs, slot = list(self._run_di(args)), None
             dt = time.perf_counter_ns() - t0
         else:
-            outs, slot, dt = self._di_with_cudagraphs(capture, args, n)
+            outs, slot, dt = self._di_with_cudagraphs(capture, args, self._n_di)
         self.graph_ns["dI"] += dt
         if timings is not None:
             timings["b_graph_ns"] += dt
         guard(outs)
         self.stats["di_runs"] += 1
-        return outs[:n], outs[n:], slot
+        return outs[:self._n_di], outs[self._n_di:], slot
 
     def _di_with_cudagraphs(self, capture: RegionCapture | None, args: list[Any], n: int) -> tuple[list[Any], Slot | None, int]:
         """:meth:`_di_and_live`'s dI run where CUDA graphs are on: replayed in
@@ -1078,11 +1078,10 @@ class CompiledSplitBackward(CompiledGraphs):
         where the plan read them as ``children`` (their nodes) and found the
         parameters (``call.plan.region_params``)."""
         found = call.plan.region_params.get(node)
-        at = self._weight_edges
         if children is not None and found is not None and self._every_weight_edge and not any(
-            map(operator.is_, params := list(map(found.__getitem__, at)), _NONES)
+            map(operator.is_, params := list(map(found.__getitem__, self._weight_edges)), _NONES)
         ):  # every weight gradient's weight was given to B (the common case)
-            accumulators = list(map(children.__getitem__, at))
+            accumulators = list(map(children.__getitem__, self._weight_edges))
         elif children is not None and found is not None:
             params = [found[j] if j is not None else None for j in self._weight_edges]
             accumulators = [children[j] if p is not None else None for j, p in zip(self._weight_edges, params)]
