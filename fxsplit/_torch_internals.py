@@ -689,7 +689,7 @@ def storage_ptr_list(values: Sequence[Any]) -> list[int | None]:
 
 def storage_ptrs(values: Sequence[Any]) -> set[int]:
     """The storages of the plain tensors among ``values`` (:func:`storage_ptr_list`)."""
-    return set(_plain_storage_ptrs(values if all_plain(values) else [t for t in values if type(t) is _PLAIN]))
+    return set(_plain_storage_ptrs(list(itertools.compress(values, map(operator.is_, map(type, values), _PLAINS)))))
 
 
 def _plain_storage_ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -710,6 +710,7 @@ def all_plain(values: Sequence[Any]) -> bool:
 
 
 _PLAIN = torch.Tensor
+_PLAINS = itertools.repeat(_PLAIN)  # (endless: each map stops at its values' end)
 _storage_offset = torch.Tensor.storage_offset
 
 # A reader for C-level passes over tensors (map(grad_of, weights)), shared by

@@ -14,6 +14,7 @@ stay as they were. W itself is transactional (:mod:`fxsplit.pending`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -340,8 +341,9 @@ def _into_inputs(
                 x.grad += g
     if len(results) == len(needed):  # (every input needs one)
         return tuple(results)
-    found = iter(results)  # (empty where B had nothing to run)
-    return tuple(next(found, None) if n else None for n in needed)
+    dinputs = [None] * len(needed)  # (results: one per input that needs one; none where B had nothing to run)
+    collections.deque(map(dinputs.__setitem__, itertools.compress(itertools.count(), needed), results), maxlen=0)
+    return tuple(dinputs)
 
 
 def _checked_call(

@@ -795,6 +795,7 @@ class CompiledSplitBackward(CompiledGraphs):
         self.cudagraphs = cudagraphs
         self._capture: RegionCapture | None = None
         self._capture_decided = False
+        self._plain_di = False  # (_decide_capture: no CUDA graphs, no cudagraph trees in the forward)
         # With CUDA graphs, the forward replays through Inductor's cudagraph
         # trees: what B tells them when dI runs, and the live-ins that are the
         # backward's own inputs (saved activations in the trees' memory), which
@@ -888,6 +889,7 @@ class CompiledSplitBackward(CompiledGraphs):
         all (said once where not), and its slots if so."""
         self._capture_decided = True
         if not self.cudagraphs:
+            self._plain_di = True  # (every later dI runs as it is)
             return None
         # A CPU scalar (an RNG seed saved for backward) is read on the host: it keys the slot by value.
         devices = {a.device for a in args if isinstance(a, torch.Tensor) and not (a.device.type == "cpu" and a.dim() == 0)}
@@ -955,12 +957,12 @@ class CompiledSplitBackward(CompiledGraphs):
         the live-ins (``None`` uncaptured), which the caller hands to the W
         work (or releases)."""
         guard = self._boundary or self.boundary
-        capture = self._capture if self._capture_decided else self._decide_capture(args)
-        if capture is None and self._tree_notice is None:  # (as decided on the first call: no CUDA graphs)
+        if self._plain_di:  # (as decided on the first call: no CUDA graphs, no trees to tell)
             t0 = time.perf_counter_ns()
             outs, slot = list(self._run_di(args)), None
             dt = time.perf_counter_ns() - t0
         else:
+            capture = self._capture if self._capture_decided else self._decide_capture(args)
             outs, slot, dt = self._di_with_cudagraphs(capture, args, self._n_di)
         self.graph_ns["dI"] += dt
         if timings is not None:
@@ -1040,7 +1042,6 @@ class CompiledSplitBackward(CompiledGraphs):
         arguments AOTAutograd's wrapper would pass (:class:`AotCall`; grad
         mode is off, as its guard checks)."""
         self.unwrapped_b_runs += 1
-        node.maybe_clear_saved_tensors()  # as the wrapper does: the engine call frees the graph, ``args`` holds them
         return tuple(self._input_only(call, node, args))
 
     def _input_only(self, call: InputCall, node: Any, args: list[Any]) -> list[Any]:
@@ -1054,6 +1055,8 @@ class CompiledSplitBackward(CompiledGraphs):
         if call.release_first and node not in call.plan.rerun:
             ti.release_region_saved(node)  # ``args`` holds them now: dI frees each after its last use
             self.direct_b_runs += call.direct  # (a direct call's plan re-runs nothing)
+        else:  # as AOTAutograd's wrapper does: under an engine call that frees the graph, ``args`` holds them
+            node.maybe_clear_saved_tensors()  # (else a no-op, as a second call after the wrapper's)
         di_vals, live, slot = self._di_and_live(args, call.timings)
         args.clear()
         try:

@@ -469,6 +469,7 @@ _first = operator.itemgetter(0)
 _variable = operator.attrgetter("variable")
 _requires_grad = operator.attrgetter("requires_grad")
 _grad_fn = operator.attrgetter("grad_fn")
+_output_nr = operator.attrgetter("output_nr")
 
 
 def _once() -> bool:
@@ -727,7 +728,7 @@ class StageShape:
         plan.region_children = dict(zip(nodes, children))
         if self.first:
             plan.bottom_regions = nodes
-            plan.captures = [o if type(o) is GradientEdge else GradientEdge(n, o.output_nr) for o, n in zip(outs, out_nodes)]
+            plan.captures = list(itertools.starmap(GradientEdge, zip(out_nodes, map(_output_nr, outs))))  # (an edge: its own)
         return plan
 
 
