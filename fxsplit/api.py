@@ -151,7 +151,7 @@ def _plain_pairs(outputs: Any, grads: Any) -> list[Node] | None:
     passes; else ``None``."""
     if type(outputs) not in _SEQUENCES or type(grads) not in _SEQUENCES or len(grads) != len(outputs):
         return None
-    if not (ti.all_plain(outputs) and ti.all_plain(grads)) or any(map(_REQUIRES_GRAD, grads)):
+    if not ti.all_plain([*outputs, *grads]) or any(map(_REQUIRES_GRAD, grads)):
         return None
     nodes = list(map(_GRAD_FN, outputs))
     if None in nodes or any(map(_B_MARK, map(_METADATA, nodes))):

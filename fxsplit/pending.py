@@ -615,6 +615,8 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
     _unknown: Sequence[int] = ()
     # What keeps the graph W re-runs alive on torch 2.11 (anchor).
     _anchors: Sequence[Any] = ()
+    # The nodes W's eager calls run again (set by hand_over: a plan with eager groups).
+    _rerun: Sequence[Node] = ()
     # The eager groups (see hand_over); what accumulated_in_graph and
     # handed_over list.
     groups: Sequence[EagerGroup] = ()
@@ -630,11 +632,8 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         self.plan = plan  # (B's; dropped by hand_over, with the nodes it holds)
         self.compiled = []
         self.deferred = []
-        # The stage's kept commit plans (see _commit_plan; None: plan every W);
-        # the B-set nodes W's eager calls run again: their saved tensors are
-        # held for W (every other node B ran has freed its own).
+        # The stage's kept commit plans (see _commit_plan; None: plan every W).
         self._kept: list[tuple[Any, Any, CommitPlan]] | None = plan.commit_plans
-        self._rerun: Sequence[Node] = plan.rerun
         self.unreached = plan.unreached
         self._committed: set[int] = set()
         self._lock = threading.Lock()
@@ -657,6 +656,9 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
         here), and the plan let go of. (A stage of compiled regions only has
         no group: B lets go of its plan itself.)"""
         plan, self.plan = self.plan, None
+        # The B-set nodes W's eager calls run again: their saved tensors are
+        # held for W (every other node B ran has freed its own).
+        self._rerun = plan.rerun
         region_index = {n: k for k, n in enumerate(plan.region_starts)}
         handed: dict[int, list[tuple[GradientEdge, torch.Tensor]]] = {}
         for d in self.deferred:
