@@ -305,8 +305,6 @@ def stage_backward_input(
     needed = _needs_gradient(input_values)
     xs = list(itertools.compress(input_values, needed))
     plan = plan_stage(outs, nodes if nodes is not None else [_light_edge(o).node for o in outs], xs, weights)
-    # W starts autograd at some outputs where the plan has eager groups: edges that keep their graph alive.
-    out_edges = [gradient_edge(o) for o in outs] if plan.groups else []
     if xs or plan.captures:
         if ti.compiled_autograd_enabled():
             _refuse_compiled_autograd("stage_backward_input", len(plan.split_regions))
@@ -315,7 +313,7 @@ def stage_backward_input(
     call, saved, results = _run_b(plan, outs, nodes, grads, xs, weights)
     dinputs = _into_inputs(needed, xs, results)
     del results
-    work = _record_b(plan, call, saved, outs, out_edges, grads)
+    work = _record_b(plan, call, saved, outs, grads)
     work.timings["b_ns"] = time.perf_counter_ns() - t0
     return dinputs, work
 
@@ -483,13 +481,14 @@ def _quiet_edge(node: Node) -> GradientEdge | None:
 
 def _record_b(
     plan: EagerWeightPlan, work: PendingWeightGrads,
-    saved: list[tuple[torch.Tensor | None, ...] | None], outs: list[Output], out_edges: list[Any],
+    saved: list[tuple[torch.Tensor | None, ...] | None], outs: list[Output],
     grads: list[torch.Tensor],
 ) -> PendingWeightGrads:
     """What B leaves for W (``work``, which B's call filled, completed), and the
     outputs marked as B's (detached in place where they may be)."""
     if plan.groups:
-        work.hand_over(saved, out_edges, grads)
+        # W starts autograd at some outputs: edges that keep their graph alive (read before B detaches them).
+        work.hand_over(saved, [gradient_edge(o) for o in outs], grads)
     else:
         work.plan = None  # (nothing to hand over: the plan, and the nodes it holds, let go of)
     if work.retains_graph:  # torch 2.11: W's nodes would die with the outputs' graph (see graph_anchor)
