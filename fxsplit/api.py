@@ -555,27 +555,17 @@ def _direct_call(
     if device.type == "cpu" and flag is not True and edges:
         return None  # "auto": the engine runs a CPU backward in the calling thread; nothing to save
     (node,) = plan.split_regions
-    by_output = _gradients_by_output(node, outs, nodes, grads)
-    if by_output is None or ti.node_has_hooks(node) or any(map(_TENSOR_HOOKS, xs)) or any(map(_RETAINS_GRAD, xs)):
+    if not all(map(operator.is_, nodes if nodes is not None else map(_GRAD_FN, outs), itertools.repeat(node))):
         return None
+    ends = [*outs, *xs]  # (what the engine would run on the way into the node or out of it to a target)
+    if any(map(_TENSOR_HOOKS, ends)) or any(map(_RETAINS_GRAD, ends)) or ti.node_has_hooks(node):
+        return None
+    by_output = dict(zip(map(_OUTPUT_NR, outs), grads))
+    if len(by_output) != len(outs):
+        return None  # (an output twice)
     if device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return None
     return node, by_output, edges
-
-
-def _gradients_by_output(
-    node: Any, outs: list[Any], nodes: list[Node] | None, grads: list[torch.Tensor]
-) -> dict[int, torch.Tensor] | None:
-    """``{output_nr: gradient}`` where every output (each a plain tensor) is
-    ``node``'s (``nodes``: the outputs' nodes, where :func:`_plain_pairs` read
-    them; else read here), each once, with nothing autograd's engine would
-    run on its way into ``node`` (a tensor hook, ``retain_grad``); else ``None``."""
-    if not all(map(operator.is_, nodes if nodes is not None else map(_GRAD_FN, outs), itertools.repeat(node))):
-        return None
-    if any(map(_TENSOR_HOOKS, outs)) or any(map(_RETAINS_GRAD, outs)):
-        return None
-    by_output = dict(zip(map(_OUTPUT_NR, outs), grads))
-    return by_output if len(by_output) == len(outs) else None
 
 
 def _run_direct(
