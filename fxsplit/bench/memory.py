@@ -249,7 +249,7 @@ def _split_figures(pending: Any) -> dict[str, int | None]:
         return {"live_in_bytes": None, "all_crossing_bytes": None}
     for work in works:
         # fxsplit's own objects: the region's SplitResult and this microbatch's live-in values
-        owner, values = getattr(work, "_owner", None), getattr(work, "_live_ins", None) or []
+        owner, values = getattr(work, "owner", None), getattr(work, "_live_ins", None) or []
         split = getattr(owner, "split", None)
         if split is None:
             return {"live_in_bytes": None, "all_crossing_bytes": None}
