@@ -777,6 +777,16 @@ class CompiledSplitBackward(CompiledGraphs):
     each kind of graph, ``compile_seconds`` the time each compile took.
     """
 
+    # Set by _decide_capture on the first split call (class defaults until then):
+    _capture: RegionCapture | None = None
+    _capture_decided = False
+    _plain_di = False  # no CUDA graphs, no cudagraph trees in the forward: every dI runs as it is
+    # With CUDA graphs, the forward replays through Inductor's cudagraph
+    # trees: what B tells them when dI runs, and the live-ins that are the
+    # backward's own inputs (saved activations in the trees' memory), which
+    # W must not read there (the trees may free them): dI's outputs copy them.
+    _tree_notice: Callable[[], None] | None = None
+
     def __init__(
         self,
         split: SplitResult,
@@ -791,16 +801,8 @@ class CompiledSplitBackward(CompiledGraphs):
         # An instance attribute, so wrappers that copy __dict__ (torch._dynamo.disable) keep it.
         self._boxed_call = True
         # Replay dI and dW as CUDA graphs where they can (fxsplit.cudagraphs);
-        # decided on the first split call, from its tensors.
+        # decided on the first split call, from its tensors (_decide_capture).
         self.cudagraphs = cudagraphs
-        self._capture: RegionCapture | None = None
-        self._capture_decided = False
-        self._plain_di = False  # (_decide_capture: no CUDA graphs, no cudagraph trees in the forward)
-        # With CUDA graphs, the forward replays through Inductor's cudagraph
-        # trees: what B tells them when dI runs, and the live-ins that are the
-        # backward's own inputs (saved activations in the trees' memory), which
-        # W must not read there (the trees may free them): dI's outputs copy them.
-        self._tree_notice: Callable[[], None] | None = None
         self._passthrough, self.passthrough_at, self._tangents = _passthrough_and_tangents(split)
         self._di_places, self._places = _output_places(split)
         self.split = split
