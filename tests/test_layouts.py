@@ -690,15 +690,10 @@ def test_a_weight_gradient_that_is_an_input_gradient_is_copied_as_autograd_does(
         )
 
 
-@pytest.mark.inductor
-def test_graphs_are_called_past_their_wrapper_only_while_no_one_records_each_call() -> None:
-    """From a graph's second call on, the region calls Inductor's generated
-    code directly (``_torch_internals.generated_call``), except while the
-    profiler is on: then every dI, dW and fused call is one ``## Call
-    CompiledFxGraph`` event, as with Inductor's own backward. Gradients as
-    after ordinary backward on an uncompiled copy throughout."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _mlp_step() -> Callable[[bool], None]:
+    """One microbatch of a new fxsplit-compiled Linear-GELU-Linear: B then W
+    (``True``) or ordinary backward, ``.grad`` emptied first, the gradients
+    checked against ordinary backward on an uncompiled copy."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
     ref = copy.deepcopy(model)
@@ -720,6 +715,19 @@ def test_graphs_are_called_past_their_wrapper_only_while_no_one_records_each_cal
         for p, q in zip(params, ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
 
+    return step
+
+
+@pytest.mark.inductor
+def test_graphs_are_called_past_their_wrapper_only_while_no_one_records_each_call() -> None:
+    """From a graph's second call on, the region calls Inductor's generated
+    code directly (``_torch_internals.generated_call``), except while the
+    profiler is on: then every dI, dW and fused call is one ``## Call
+    CompiledFxGraph`` event, as with Inductor's own backward. Gradients as
+    after ordinary backward on an uncompiled copy throughout."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _mlp_step()
     before = fxsplit.compiled_regions()
     for _ in range(3):
         step(split=True)
@@ -747,26 +755,7 @@ def test_graphs_are_called_through_their_wrapper_while_inductor_records_executio
 
     if not hasattr(debug, "record_and_log_graph_execution_order"):
         pytest.skip(f"torch {torch.__version__} has no graph execution record")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=fxsplit.backend(fallback="error"))
-    params = list(model.parameters())
-
-    def step(split: bool) -> None:
-        for p, q in zip(params, ref.parameters()):
-            p.grad = q.grad = None
-        x, g = torch.randn(4, 8), torch.randn(4, 8)
-        out = compiled(x.clone().requires_grad_())
-        if split:
-            _, work = fxsplit.stage_backward_input([out], [g], [], params)
-            fxsplit.stage_backward_weight(params, work)
-        else:
-            out.backward(g)
-        ref(x).backward(g)
-        for p, q in zip(params, ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad)
-
+    step = _mlp_step()
     for _ in range(3):
         step(split=True)
         step(split=False)
