@@ -706,7 +706,7 @@ def _plain_storage_ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:
 def all_plain(values: Sequence[Any]) -> bool:
     """Whether every value is a plain ``torch.Tensor`` (no subclass, no other
     object), decided in one C-level pass."""
-    return all(map(operator.is_, map(type, values), itertools.repeat(_PLAIN)))
+    return all(map(operator.is_, map(type, values), _PLAINS))
 
 
 _PLAIN = torch.Tensor

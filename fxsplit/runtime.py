@@ -1082,17 +1082,15 @@ class CompiledSplitBackward(CompiledGraphs):
         outputs B hands on. ``edges``: the node's ``next_functions``, or ``None``
         where the plan read them as ``children`` (their nodes) and found the
         parameters (``call.plan.region_params``)."""
-        found = call.plan.region_params.get(node)
-        if children is not None and found is not None and self._every_weight_edge and not any(
+        found = call.plan.region_params.get(node)  # (the plan reads both for a node, or neither)
+        if children is not None and self._every_weight_edge and not any(
             map(operator.is_, params := list(map(found.__getitem__, self._weight_edges)), _NONES)
         ):  # every weight gradient's weight was given to B (the common case)
             accumulators = list(map(children.__getitem__, self._weight_edges))
-        elif children is not None and found is not None:
+        elif children is not None:
             params = [found[j] if j is not None else None for j in self._weight_edges]
             accumulators = [children[j] if p is not None else None for j, p in zip(self._weight_edges, params)]
         else:
-            if edges is None:
-                edges = node.next_functions
             params, accumulators = self._params_of(edges, call.weight_ids)
         b_storages = ti.storage_ptrs([*di_vals, *map(live.__getitem__, self.passthrough_at)])  # (see held_elsewhere)
         call.compiled.append(CompiledWeightWork(self, live, params, accumulators, slot, b_storages))
