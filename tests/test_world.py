@@ -54,3 +54,5 @@ def test_a_world_failure_carries_every_rank_error_that_follows_the_first() -> No
     assert "ValueError: boom: the cause, on rank 1" in message
     assert "rank 0 failed too:" in message and "ConnectionError: boom: rank 0 saw its peer go away" in message
     assert message.index("rank 1 failed:") < message.index("rank 0 failed too:")
+    assert message.splitlines()[0] == (
+        "rank 1: ValueError: boom: the cause, on rank 1; rank 0: ConnectionError: boom: rank 0 saw its peer go away")

@@ -86,8 +86,17 @@ def _worker(rank: int, ranks: int, port: int, fn: Callable[[Any, int, int], Any]
         finally:
             dist.destroy_process_group()
         results.put(("ok", rank, out))
-    except BaseException:  # everything goes back to the parent, assertion failures included
-        results.put(("error", rank, traceback.format_exc()))
+    except BaseException as e:  # everything goes back to the parent, assertion failures included
+        results.put(("error", rank, (root_cause(e), traceback.format_exc())))
+
+
+def root_cause(e: BaseException) -> str:
+    """``e``'s innermost cause as ``"Type: first line of its message"``: what a reader of a
+    long, chained traceback (a schedule re-raising a stage's error) needs first."""
+    while (inner := e.__cause__ or (None if e.__suppress_context__ else e.__context__)) is not None:
+        e = inner
+    first = next(iter(str(e).strip().splitlines()), "")
+    return f"{type(e).__name__}: {first}"[:300]
 
 
 def _context(preload: Sequence[str] | None) -> Any:
@@ -169,9 +178,10 @@ def run_world(fn: Callable[[Any, int, int], Any], payload: Any, ranks: int, *, t
 
 
 def _failures(rank: int, out: str, results: Any, others: set[int], grace_s: float = 3.0) -> str:
-    """``rank``'s traceback ``out``, then those of any of ``others`` that fail within
-    ``grace_s`` seconds: the first error the parent hears may be a rank that only
-    saw its peer go away (gloo's "Connection closed by peer"), the cause another's."""
+    """One line naming each failed rank's root cause, then ``rank``'s traceback (``out`` is
+    (root cause, traceback)), then those of any of ``others`` that fail within ``grace_s``
+    seconds: the first error the parent hears may be a rank that only saw its peer go away
+    (gloo's "Connection closed by peer"), the cause another's."""
     errors = [(rank, out)]
     end = time.monotonic() + grace_s
     while others and (left := end - time.monotonic()) > 0:
@@ -183,7 +193,9 @@ def _failures(rank: int, out: str, results: Any, others: set[int], grace_s: floa
             errors.append((r, o))
         if status != "progress":
             others.discard(r)
-    return "\n\n".join(f"rank {r} failed{' too' if k else ''}:\n{o}" for k, (r, o) in enumerate(errors))
+    causes = "; ".join(f"rank {r}: {cause}" for r, (cause, _) in errors)
+    return f"{causes}\n\n" + "\n\n".join(
+        f"rank {r} failed{' too' if k else ''}:\n{tb}" for k, (r, (_, tb)) in enumerate(errors))
 
 
 # ---------------------------------------------------------------------------------------------
