@@ -61,6 +61,12 @@ RUNNABLE_SCHEDULES = tuple(s for s in SCHEDULES if upstream_schedule_failure(s) 
 
 
 def _run_cases(payload: tuple[Callable[[Any, int, int], Any], list[Any]], rank: int, ranks: int) -> list[Any]:
+    import torch._inductor.config
+
+    # Each rank compiles in its own process: Inductor would otherwise start a pool of compile
+    # subprocesses per rank (one per core) and use it only once it has started, which on a
+    # small machine running 4 or 8 ranks makes where a kernel compiles depend on timing.
+    torch._inductor.config.compile_threads = 1
     runner, cases = payload
     return [runner(case, rank, ranks) for case in cases]
 
