@@ -55,6 +55,12 @@ def _configs() -> dict[str, tuple[Any, type[nn.Module], type[nn.Module]]]:
             t.GPT2Model, t.GPT2LMHeadModel,
         ),
         "llama": (t.LlamaConfig(intermediate_size=48, **_DECODER), t.LlamaModel, t.LlamaForCausalLM),
+        # a window shorter than every sequence length, so the sliding-window layer masks
+        "gemma2": (t.Gemma2Config(intermediate_size=48, head_dim=8, sliding_window=4, **_DECODER), t.Gemma2Model,
+                   t.Gemma2ForCausalLM),
+        "falcon": (t.FalconConfig(hidden_size=DIM, num_hidden_layers=1, num_attention_heads=4, vocab_size=VOCAB,
+                                  new_decoder_architecture=True, num_kv_heads=2, bos_token_id=0, eos_token_id=0,
+                                  pad_token_id=0), t.FalconModel, t.FalconForCausalLM),
         "bert": (
             t.BertConfig(hidden_size=DIM, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
                          vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
@@ -147,8 +153,10 @@ def _ops() -> Ops:
 
 # One stage per model, to keep the suite fast; together they cover a tied LM
 # head with its loss (GPT-2), grouped-query attention (Llama), bidirectional
-# attention with learned position and token-type embeddings (BERT), and top-k
-# routed experts, with a shared expert and an LM head (Qwen2-MoE). The middle
+# attention with learned position and token-type embeddings (BERT), top-k
+# routed experts, with a shared expert and an LM head (Qwen2-MoE), soft-capped
+# attention, a sliding window and a norm on each side of every block (Gemma 2),
+# and attention and MLP on one input, summed (Falcon). The middle
 # stages take automatic dynamic shapes (a static compile, then a dynamic
 # recompile at the second length, as a training run meets them); the last
 # stages, whose loss code costs the most to trace, mark the sequence
@@ -156,6 +164,7 @@ def _ops() -> Ops:
 CASES = {
     HFCase("gpt2", "last"): "mark", HFCase("llama", "middle"): "automatic", HFCase("bert", "middle"): "automatic",
     HFCase("mixtral", "middle"): "automatic", HFCase("qwen2_moe", "last"): "mark",
+    HFCase("gemma2", "middle"): "automatic", HFCase("falcon", "last"): "mark",
 }
 
 
