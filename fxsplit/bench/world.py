@@ -87,16 +87,19 @@ def _worker(rank: int, ranks: int, port: int, fn: Callable[[Any, int, int], Any]
             dist.destroy_process_group()
         results.put(("ok", rank, out))
     except BaseException as e:  # everything goes back to the parent, assertion failures included
-        results.put(("error", rank, (root_cause(e), traceback.format_exc())))
+        results.put(("error", rank, (_root_cause(e), traceback.format_exc())))
 
 
-def root_cause(e: BaseException) -> str:
+def _root_cause(e: BaseException) -> str:
     """``e``'s innermost cause as ``"Type: first line of its message"``: what a reader of a
     long, chained traceback (a schedule re-raising a stage's error) needs first."""
-    while (inner := e.__cause__ or (None if e.__suppress_context__ else e.__context__)) is not None:
+    seen = {id(e)}
+    while (inner := e.__cause__ or (None if e.__suppress_context__ else e.__context__)) is not None \
+            and id(inner) not in seen:  # (a chain may loop back)
         e = inner
+        seen.add(id(e))
     first = next(iter(str(e).strip().splitlines()), "")
-    return f"{type(e).__name__}: {first}"[:300]
+    return f"{type(e).__name__}: {first}"[:300] if first else type(e).__name__
 
 
 def _context(preload: Sequence[str] | None) -> Any:
