@@ -407,9 +407,6 @@ class CompiledWeightWork:
     # Defaults, replaced (never mutated) where an instance differs:
     # The CUDA graph slot whose buffers hold the live-ins (fxsplit.cudagraphs), held until release.
     slot: Slot | None = None
-    # Storages, as B left them, of the input gradients it returned and of the
-    # live-ins that are the backward's own inputs (see held_elsewhere).
-    _b_storages: AbstractSet[int] = frozenset()
     # held_elsewhere and live_in_storages, once read.
     _held: frozenset[int] | None = None
     _storages: set[int] | None = None
@@ -431,7 +428,9 @@ class CompiledWeightWork:
         # Each param's grad accumulator, as the region's autograd node links it
         # (None where params has None): W hands the gradients to these.
         self.accumulators = accumulators if accumulators is not None else [None] * len(params)
-        self._b_storages = b_storages
+        # Storages, as B left them, of the input gradients it returned and of the
+        # live-ins that are the backward's own inputs (see held_elsewhere).
+        self._b_storages: AbstractSet[int] = b_storages
         if slot is not None:
             self.slot = slot
             slot.hold(self)

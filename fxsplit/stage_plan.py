@@ -617,8 +617,7 @@ class _RegionShape:
     variables must be given tensors); ``expected`` the positions of what they
     must be in the call's pool ``[*weights, *inputs, *their gradient nodes]``
     (a leaf input is matched as itself, another by its gradient node). Children that are regions
-    are :attr:`StageShape.region_children`. ``params``: positions in
-    ``[*weights, None]`` of the plan's ``region_params`` row.
+    are :attr:`StageShape.region_children`; its parameters are :attr:`StageShape.params`.
     """
 
     cls: type
@@ -628,7 +627,6 @@ class _RegionShape:
     nodes_at: tuple[int, ...]
     accumulators_at: tuple[int, ...]
     expected: tuple[int, ...]
-    params: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -675,7 +673,8 @@ class StageShape:
     # leaves that were neither a given weight nor an input (W computes no
     # gradient for them): each must still hold neither
     others: tuple[tuple[int, int], ...]
-    # Each region's ``params`` (see _RegionShape), by position in the regions
+    # Each region's row of the plan's ``region_params``, as positions in
+    # ``[*weights, None]``, by position in the regions
     params: tuple[tuple[int, ...], ...]
 
     def _misses_across(self, nodes: list[Any], children: list[list[Any]], pool: list[Any]) -> bool:
@@ -759,21 +758,22 @@ def _stage_shape(
     if plan.direct_edges is not None:
         numbers = tuple((k, i, x.output_nr) for i, (k, x) in enumerate(zip(plan.direct_edges, xs)) if x.grad_fn is not None)
     return StageShape(
-        refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shape for shape, _, _ in read),
+        refs, tuple(map(_requires_grad, weights)), n_x, len(out_nodes), tuple(shape for shape, _, _, _ in read),
         output_regions, bool(plan.captures),
         {**{k: v for k, v in vars(plan).items() if k not in _PER_CALL}, "bottom_regions": [], "captures": [],
          "w_side": frozenset(), "rerun": frozenset(), "commit_plans": [], "prepared": True}, numbers,
-        tuple((i, k, j) for i, (_, region_kids, _) in enumerate(read) for k, j in region_kids),
-        tuple((i, k) for i, (_, _, others) in enumerate(read) for k in others),
-        tuple(shape.params for shape, _, _ in read),
+        tuple((i, k, j) for i, (_, _, region_kids, _) in enumerate(read) for k, j in region_kids),
+        tuple((i, k) for i, (_, _, _, others) in enumerate(read) for k in others),
+        tuple(params for _, params, _, _ in read),
     )
 
 
 def _region_shape(
     plan: EagerWeightPlan, i: int, out_nodes: Sequence[Any], n_w: int, n_x: int, index: dict[Any, int],
     weight_at: dict[int, int], leaf_at: dict[int, int], input_node_at: dict[Any, int], accumulate_grad: type,
-) -> tuple[_RegionShape, list[tuple[int, int]], list[int]]:
-    """Region ``i`` of the plan as :class:`StageShape` keeps it, its children
+) -> tuple[_RegionShape, tuple[int, ...], list[tuple[int, int]], list[int]]:
+    """Region ``i`` of the plan as :class:`StageShape` keeps it, its row of
+    :attr:`StageShape.params`, its children
     that are regions (position among its children, region index), and the
     positions of its grad accumulators of leaves that are neither a given
     weight nor an input (:attr:`StageShape.others`); KeyError:
@@ -804,7 +804,7 @@ def _region_shape(
             node_exp.append(n_w + n_x + input_node_at[c])
     params = [n_w if p is None else weight_at[id(p)] for p in plan.region_params[node]]
     return _RegionShape(type(node), parent, at, tuple(map(type, kids)), tuple(node_pos), tuple(acc_pos),
-                        tuple(node_exp + acc_exp), tuple(params)), regions, others
+                        tuple(node_exp + acc_exp)), tuple(params), regions, others
 
 
 def prepare_regions(nodes: Iterable[Node]) -> None:
