@@ -3,50 +3,31 @@
 :class:`PendingWeightGrads` holds exactly what W needs (compiled regions'
 live-ins, the gradients B saved at eager intermediates, the dI values B
 handed over, the output gradients of outputs whose backward is all weight
-work). :meth:`PendingWeightGrads.run` is W. What W does with each compiled
-gradient is planned by :func:`plan_commits` before any graph runs, from the
-two statements of autograd's rules, :func:`accumulates_like_autograd` and
-:func:`takes_gradient_like_autograd` (a :class:`CommitPlan`, kept per state
-of the weights for a stage B replays), and one executor runs any plan:
+work); :meth:`PendingWeightGrads.run` is W. Before any graph runs,
+:func:`plan_commits` decides, from the two statements of autograd's rules
+(:func:`accumulates_like_autograd`, :func:`takes_gradient_like_autograd`),
+what W does with each compiled gradient (a :class:`CommitPlan`, kept per
+state of the weights for a stage B replays); one executor runs any plan:
 
-1. **compute**: every compiled dW graph that does not accumulate into
-   ``.grad`` runs on its live-ins. Pure: nothing a user can observe changes,
-   and on an exception everything is still held.
-1b. **accumulate in the graph** (fused accumulation): for a region whose
-   weights already have a ``.grad`` that nothing observes being accumulated
-   (:func:`accumulates_like_autograd`), a dW variant adds their gradients into
-   ``.grad`` in place. Running it is the commit of those weights. Each write
-   is bracketed by two operators the graph runs before and after it
-   (``fxsplit::accumulation_begins`` / ``_ends``), recorded while the graph
-   runs, so if it raises, each of its weights is known to be accumulated
-   (both ran: it counts as committed), untouched (neither: still pending,
-   computed again by the next W) or, where the exception fell between the
-   two, unknown: the exception says so, naming the weights, and W refuses to
-   run again rather than add a gradient twice or not at all.
-1c. **into an empty ``.grad``**: where a weight's ``.grad`` is ``None`` and
-   nothing observes its accumulation (:func:`takes_gradient_like_autograd`),
-   W sets ``.grad`` to the dW graph's gradient itself, as ``AccumulateGrad``
-   does when it takes a gradient nobody else holds: no engine call
-   (``handed_over`` lists them).
-2. **commit**: :func:`commit_weight_grads`, the one place where W changes
-   ``.grad`` through autograd. Each call is one autograd engine call, as
-   ``torch.autograd.backward(roots, grads, inputs=weights)`` makes: the roots
-   are the eager W starts plus, for each weight with compiled gradients, an
-   edge to its ``AccumulateGrad`` carrying them. So
-   accumulation is autograd's own: tensor hooks and post-accumulate-grad
-   hooks fire once per weight, ``.grad`` gets the parameter's layout and
-   ``grad_dtype``, accumulates in place, and never aliases a tensor someone
-   else holds. The compiled gradients reach the accumulators through one
-   :class:`_HandOver` node that keeps no reference to them, so an empty
-   ``.grad`` takes W's gradient without a copy, as after ordinary backward.
-   One call per eager weight group (a call would otherwise re-run
-   input-gradient work between groups) and one for the weights only compiled
-   regions reach; a stage without eager weights commits in one call.
-3. If a commit raises (a hook, out of memory, ``KeyboardInterrupt``), the
-   weights that were accumulated are recorded as committed and
-   everything else stays pending: the same object passed to W again finishes
-   exactly the rest. The eager graph is run with ``retain_graph=True`` for
-   that reason, and dropped when W completes.
+1. **compute**: every dW graph that does not accumulate runs on its
+   live-ins. Pure: on an exception everything is still held.
+2. **accumulate in the graph**: a dW variant adds the gradients of weights
+   :func:`accumulates_like_autograd` allows into their ``.grad`` in place;
+   running it is their commit. Its writes are bracketed by
+   ``fxsplit::accumulation_begins`` / ``_ends``, so if it raises each weight
+   is known to be written (committed), untouched (pending) or, between the
+   two, unknown: the exception names those, and W refuses to run again.
+3. **take**: an empty ``.grad`` that :func:`takes_gradient_like_autograd`
+   allows is set to the gradient itself, with no engine call.
+4. **commit**: everything else goes through :func:`commit_weight_grads`,
+   one autograd engine call per eager weight group and one for the weights
+   only compiled regions reach, so hooks, layout, ``grad_dtype`` and aliasing
+   are autograd's own.
+
+If a step raises (a hook, out of memory, ``KeyboardInterrupt``), the weights
+already committed are recorded and everything else stays pending: the same
+object passed to W again finishes exactly the rest (the eager graph is kept
+until W completes).
 """
 
 from __future__ import annotations
@@ -973,10 +954,10 @@ class PendingWeightGrads(InputCall, Sequence[ParamGroup]):
     def _compute(
         self, plan: CommitPlan
     ) -> tuple[list[WeightCommit], tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """Steps 1-3 of W (module docstring) as ``plan`` says: run the dW
-        graphs (those that accumulate last: running one is a commit), then
-        return the engine commits and the weights whose empty ``.grad`` takes
-        their gradient as it is, with those gradients."""
+        """Steps 1 and 2 of W (module docstring) as ``plan`` says (the
+        accumulating graphs last: running one is a commit), then what steps 4
+        and 3 are given: the engine commits, and the weights whose empty
+        ``.grad`` takes its gradient as it is, with those gradients."""
         records, select = self.compiled, plan.select
         # The accumulating dW graphs, compiled on first use: a compile error here changes nothing.
         accumulating = self._accumulating_graphs(plan) if plan.accumulate else {}

@@ -87,34 +87,24 @@ class DeferredGrad:
 
 class InputCall:
     """One B autograd call, as the regions it runs see it: where they record
-    their W work. :class:`fxsplit.pending.PendingWeightGrads` is one: B's call
-    builds the W work it returns, so nothing is copied from one to the other.
+    their W work. :class:`fxsplit.pending.PendingWeightGrads` is one, so
+    nothing is copied from one to the other.
 
-    ``weight_ids`` are the ``id``s of the weights given to B; a region keeps
-    dW gradients for those only. ``compiled`` (one
-    :class:`CompiledWeightWork` per region run) and ``deferred`` fill up while
-    the call runs (appends are atomic, so several engine threads may add);
-    ``timings["b_graph_ns"]`` sums the time inside the dI graphs it ran.
-
-    ``plan``: B's :class:`~fxsplit.stage_plan.EagerWeightPlan`, read as it
-    is: ``region_params`` (per region node, the given parameter behind each of
-    its ``next_functions``, ``None`` elsewhere; other regions look them up by
-    ``weight_ids``), ``region_children`` (for the same nodes, the node of
-    each of their ``next_functions`` as the plan read them), ``region_starts``
-    (the region nodes that may hand input gradients to W's eager part) and
-    ``rerun`` (the nodes W's eager calls pass through again).
-    ``retains_graph``: the call keeps the graph (eager code needs W to
-    re-run nodes).
-    ``release_first``: the region's node still holds the activations it
-    saved when its backward runs in this call: B calls the node itself
-    (outside the engine: :func:`run_directly`), or the engine call keeps the
-    graph. Then, unless its node is in ``plan.rerun`` (W's eager calls pass
-    through it again), the region lets go of them before its dI graph runs,
-    as AOTAutograd does under an engine call that does not keep the graph
-    (its own check reads the engine's graph task), so that dI frees each
-    after its last use. ``direct``: B's call of the node is
-    :data:`fxsplit.config.direct_b`'s (counted in ``direct_b_runs``); a
-    first stage's bottom regions are called so too, on captured gradients.
+    ``weight_ids``: the ``id`` of each weight given to B (a region keeps dW
+    gradients for those only). ``compiled`` (one :class:`CompiledWeightWork`
+    per region run) and ``deferred`` fill up while the call runs (appends are
+    atomic: several engine threads may add); ``timings["b_graph_ns"]`` sums the
+    time inside its dI graphs. ``plan``: B's
+    :class:`~fxsplit.stage_plan.EagerWeightPlan`, read as it is
+    (``region_params``, ``region_children``, ``region_starts``, ``rerun``).
+    ``retains_graph``: the call keeps the graph (W re-runs eager nodes).
+    ``release_first``: a region's node still holds its saved activations when
+    its backward runs (B calls the node itself, :func:`run_directly`, or the
+    engine call keeps the graph); unless W re-runs it (``plan.rerun``), the
+    region lets go of them before its dI graph runs, as AOTAutograd does under
+    an engine call that keeps no graph, so dI frees each after its last use.
+    ``direct``: B calls the node as :data:`fxsplit.config.direct_b` allows
+    (counted in ``direct_b_runs``).
     """
 
     # Set by the implementation (PendingWeightGrads.__init__):
@@ -202,26 +192,21 @@ _AOT_CALL = "_fxsplit_aot_call"
 class AotCall:
     """How AOTAutograd's backward wrapper made a region's compiled-backward
     arguments from its node, so that B can make them itself and call the
-    region's dI graph with no wrapper in between (the wrapper runs about
-    165 lines of Python per call).
+    region's dI graph with no wrapper in between.
 
-    Learned from one B call through the wrapper (:func:`route_backward`), and
-    kept only where that call showed the wrapper to be plain bookkeeping: its
-    arguments were the node's saved values as
-    :func:`fxsplit._torch_internals.aot_saved_args` reads them (checked
-    without unpacking the saved tensors again: :meth:`_Probe.read`) followed
-    by the incoming gradients themselves, unchanged (each the same plain
-    tensor object: no layout coerced, no subclass unwrapped), and it returned
-    the backward's results themselves (no token, RNG-offset or subclass
-    epilogue). :meth:`run` checks the guard for a later call: as many incoming
-    gradients, those at the learned positions plain tensors with the shapes
-    and strides the learned call had (those decide the wrapper's layout
+    Learned from one B call through the wrapper (:func:`route_backward`) and
+    kept only where that call showed the wrapper to be bookkeeping: its
+    arguments were the node's saved values
+    (:func:`fxsplit._torch_internals.aot_saved_args`, checked by
+    :meth:`_Probe.read`) followed by the incoming gradients themselves (the
+    same plain tensor objects), and it returned the backward's results
+    themselves (no token, RNG-offset or subclass epilogue). The guard
+    (:meth:`run`): as many incoming gradients, those used plain tensors with
+    the learned shapes and strides (which decide the wrapper's layout
     coercion), the same :func:`fxsplit._torch_internals.aot_backward_state`
-    (learned with autocast and grad mode off), and as many saved values. A
-    miss returns ``None`` and B goes through the wrapper, learning from that
-    call where it shows bookkeeping only (it replaces the earlier
-    :class:`AotCall`; a call that shows more keeps it). Kept on the node's
-    class: one compiled variant of a region.
+    (learned with autocast and grad mode off), as many saved values. A miss
+    goes through the wrapper and learns again. Kept on the node's class (one
+    compiled variant of a region).
     """
 
     __slots__ = ("owner", "prefix", "tangents", "layouts", "state")

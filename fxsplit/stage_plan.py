@@ -22,22 +22,13 @@ Terms used below, for one stage:
   output gradients.
 * *first stage* (no stage input needs a gradient): the *bottom regions*
   (split regions with no split region below them) take the place of the
-  stage inputs. B's autograd call captures the gradients flowing into them,
-  which runs every other region's dI graph and the eager code above the
-  regions (only the outputs on the way down, as for any stage); then B runs
-  each bottom region's dI graph itself, on the captured gradients, the
-  region having let go of its saved activations first (unless W re-runs it),
-  as under an engine call that keeps no graph: below a bottom
-  region there is nothing to capture but grad accumulators, and capturing
-  there would call the weights' tensor hooks in B (where the region's node
-  has a hook, B's call runs it, with its hooks, stopping at a weight with
-  none: ``fxsplit.api._captures``; a first stage of one region takes B's
-  direct call where a middle stage would). So every compiled
-  region runs its activation-gradient chain at B and only its
-  weight-gradient leaves at W, whatever eager code surrounds it. Eager code
-  below the bottom regions (an eager embedding) and a stage with no
-  compiled region run at W, as upstream runs every first stage: there only
-  weight gradients are left to compute.
+  stage inputs. B's autograd call captures the gradients flowing into them
+  (which runs every other region's dI graph and the eager code above), then
+  B runs each bottom region's dI graph itself (``fxsplit.api._run_bottom_regions``,
+  ``fxsplit.api._captures`` for a hooked one). So every compiled region runs
+  its activation-gradient chain at B, whatever eager code surrounds it; eager
+  code below the bottom regions (an eager embedding) and a stage with no
+  compiled region run at W, as upstream runs every first stage.
 * *re-run nodes*: the B-set nodes W's autograd calls execute again: the
   intermediates and the B-set nodes below them on a path to an eager weight
   (e.g. a compiled region whose parameter is also used by eager code).
@@ -184,42 +175,30 @@ class WeightGroup:
 
 @dataclasses.dataclass
 class EagerWeightPlan:
-    """What W must do by running autograd (the non-compiled part of W).
+    """B's plan of a stage: what B runs and what it leaves to W's autograd
+    calls (terms as in the module docstring).
 
-    ``intermediates``: eager B-set nodes whose incoming gradients B saves for W.
+    ``intermediates``: eager B-set nodes whose incoming gradients B saves.
     ``region_starts``: B-set split regions whose unused dI outputs start W,
-    and the nodes of ``once``.
-    ``once``: B-set nodes that compute every edge's gradient in one call
-    (:func:`runs_whole`: custom Functions, regions of other backends) with an
-    edge into the W side. They run once, at B: B keeps the gradients they
-    produce along their W-side edges, and W starts from those edges, as from
-    a split region's hand-over (``fxsplit.config.whole_nodes == "once"``, the
-    default; ``"again"``: they are intermediates, re-run at W).
-    ``w_roots``: indices of stage output edges W starts from with the output
-    gradients (outputs whose backward is all weight work).
-    ``groups``: one autograd call each in W.
-    ``unreached``: how many of the given weights no stage output depends on.
-    ``split_regions``: every split region in the B set (B's autograd call runs
-    their dI graph; W's calls must not run them again).
-    ``w_side``: the W-side nodes (only needed while B runs: do not keep it).
-    ``rerun``: B-set nodes W's calls execute again (their saved tensors stay).
-    ``release``: eager B-set nodes below an intermediate that W does not run:
-    B retains the graph, so their saved tensors are freed when B ends. Split
-    regions are not listed: each frees its own when its dI graph has run,
-    unless it is in ``rerun``.
-    ``above``: eager B-set nodes not below any intermediate, which W never
-    runs. Nothing holds them after B detaches the outputs, except an anchor
-    that keeps the outputs' graph alive (torch 2.11,
-    ``_torch_internals.graph_anchor``): B then frees their saved tensors.
-    ``bottom_regions`` and ``captures``: for a first stage (no input node
-    given), the split regions with no split region below them, and the edges
-    into them B's autograd call captures the gradients of (see the module
-    docs); empty otherwise.
-    ``output_users``: one list per stage output edge, the nodes W executes
-    (``rerun`` and ``w_side``) with an edge into that output's gradient
-    node: the nodes whose forward took the output as a differentiable input,
-    which are those that may have saved it (module docs; a custom Function
-    saving a tensor it was not given is not among them).
+    and the nodes of ``once``. ``once``: B-set nodes with an edge into the W
+    side that compute every edge's gradient in one call (:func:`runs_whole`),
+    run once at B, which keeps the gradients they produce along their W-side
+    edges (``fxsplit.config.whole_nodes == "once"``; with ``"again"`` they
+    are intermediates). ``w_roots``: indices of the stage output edges W
+    starts from with the output gradients. ``groups``: one autograd call each
+    in W. ``unreached``: how many given weights no output depends on.
+    ``split_regions``: every split region in the B set (B runs their dI graph;
+    W must not run them again). ``w_side``: the W-side nodes (needed while B
+    runs only). ``rerun``: B-set nodes W runs again (their saved tensors stay).
+    ``release``: eager B-set nodes below an intermediate that W does not run,
+    whose saved tensors B frees as it ends (B retains the graph).
+    ``above``: eager B-set nodes above every intermediate, which W never runs
+    (B frees their saved tensors where an anchor keeps the outputs' graph
+    alive, torch 2.11: ``_torch_internals.graph_anchor``).
+    ``bottom_regions``, ``captures``: a first stage's bottom regions and the
+    edges into them whose gradients B's autograd call captures.
+    ``output_users``: per stage output edge, the nodes W executes with an
+    edge into that output's gradient node (those that may have saved it).
     """
 
     intermediates: list[Node]
@@ -236,23 +215,17 @@ class EagerWeightPlan:
     bottom_regions: list[Node] = dataclasses.field(default_factory=list)
     captures: list[GradientEdge] = dataclasses.field(default_factory=list)
     output_users: list[list[Node]] = dataclasses.field(default_factory=list)
-    # Per split region (compiled-only plans): the given parameter behind each
-    # of its node's next_functions (None elsewhere), found by the plan's walk.
+    # Compiled-only plans (_read_regions): per split region, the given parameter
+    # behind each of its next_functions (None elsewhere), and the node of each.
     region_params: dict[Node, list[torch.Tensor | None]] = dataclasses.field(default_factory=dict)
-    # Per split region (compiled-only plans): the node of each of its
-    # next_functions (None where an edge has none), as the walk read them.
     region_children: dict[Node, list[Node | None]] = dataclasses.field(default_factory=dict)
-    # W's commit plans for this stage (fxsplit.pending.PendingWeightGrads._commit_plan),
-    # shared by every replay of one StageShape; None: W plans on every call.
+    # W's commit plans, shared by every replay of one StageShape (None: W plans every call).
     commit_plans: list[Any] | None = None
-    # Compiled-only plans of one region: the position among the region's
-    # next_functions where each stage input (in the order given) enters it,
-    # each by one edge of its own (None: not so, or another kind of plan;
-    # empty for a first stage). B may then call the region's node itself
-    # (``fxsplit.api``).
+    # Compiled-only plans of one region: where each stage input enters the
+    # region's node, by one edge of its own (None: not so; empty: a first
+    # stage). B may then call the node itself (fxsplit.api._direct_call).
     direct_edges: tuple[int, ...] | None = None
-    # The split regions' dI and dW graphs are compiled (a replayed plan's were
-    # when it was first built); otherwise B compiles them before its call.
+    # The split regions' dI and dW graphs are compiled (else B compiles them first).
     prepared: bool = False
 
 
