@@ -149,9 +149,10 @@ def _transformers_kwargs(**extra: Any) -> dict[str, Any]:
     return {**kw, **extra}
 
 
-# Two decoder layers each, width 32: dense (Mistral, Phi-3, GPT-NeoX with biases) and MoE
-# (Qwen3-MoE and DeepSeek-V3 through transformers' grouped-mm op and fxsplit's shipped
-# split rule, GPT-OSS with its own expert matmuls).
+# Two decoder layers each, width 32: dense (Mistral, Phi-3, GPT-NeoX with biases, Gemma 3 with a
+# sliding-window and a full-attention layer, GLM-4, BLOOM with ALiBi) and MoE (Qwen3-MoE,
+# DeepSeek-V3, Phi-MoE, ERNIE-4.5-MoE and Hunyuan-MoE through transformers' grouped-mm op and
+# fxsplit's shipped split rule, GPT-OSS with its own expert matmuls).
 TRANSFORMERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralModel", "MistralConfig", _transformers_kwargs(num_key_value_heads=2)),
     "phi3": ("Phi3Model", "Phi3Config", _transformers_kwargs(num_key_value_heads=2, pad_token_id=0)),
@@ -164,6 +165,16 @@ TRANSFORMERS: dict[str, tuple[str, str, dict[str, Any]]] = {
         qk_nope_head_dim=8, v_head_dim=8)),
     "gptoss": ("GptOssModel", "GptOssConfig", _transformers_kwargs(
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+    "gemma3": ("Gemma3TextModel", "Gemma3TextConfig", _transformers_kwargs(
+        num_key_value_heads=2, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "glm4": ("Glm4Model", "Glm4Config", _transformers_kwargs(num_key_value_heads=2, head_dim=8, pad_token_id=0)),
+    "bloom": ("BloomModel", "BloomConfig", _transformers_kwargs()),
+    "phimoe": ("PhimoeModel", "PhimoeConfig", _transformers_kwargs(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "ernie45moe": ("Ernie4_5_MoeModel", "Ernie4_5_MoeConfig", _transformers_kwargs(
+        num_key_value_heads=2, moe_intermediate_size=16, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1)),
+    "hunyuanmoe": ("HunYuanMoEV1Model", "HunYuanMoEV1Config", _transformers_kwargs(
+        num_key_value_heads=2, head_dim=8, num_experts=4, moe_topk=2)),
 }
 
 
