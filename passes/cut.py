@@ -23,7 +23,8 @@ for free). Of all minimum cuts, the one recomputing the fewest nodes is
 taken.
 
 Capacities must be numbers while sizes are sympy expressions. They are
-compared with every size symbol set to :data:`LARGE_SIZE`, so a value that
+compared with every size symbol set to :data:`LARGE_SIZE` (but a size that
+divides, which is bounded), so a value that
 grows with the batch or sequence outweighs any fixed-size one, regardless of
 the sizes the graph was traced with; the cut found is then checked
 symbolically (:func:`fxsplit.passes.memory.provably_at_most`) and kept only if
@@ -75,10 +76,29 @@ class Cut:
 
 
 def _capacity(node: fx.Node) -> int:
-    """Bytes holding ``node`` keeps alive (its storage), with every size symbol at LARGE_SIZE.
-    An integer: max-flow on floats may leave a saturated edge looking unsaturated."""
+    """Bytes holding ``node`` keeps alive (its storage), with every size symbol at
+    LARGE_SIZE but those that divide (:func:`_divisors`), which are at 2, the
+    least size Dynamo leaves symbolic: a size that divides a constant (a
+    dimension of 16 split as ``(16 // s, s)``) is bounded by it, so it is no
+    batch or sequence size, and at LARGE_SIZE the quotient would be 0, or a
+    division by it. An integer: max-flow on floats may leave a saturated edge
+    looking unsaturated."""
     expr = value_bytes(storage_root(node))
-    return int(expr.subs({s: LARGE_SIZE for s in expr.free_symbols}))
+    small = _divisors(expr)
+    try:
+        return int(expr.subs({s: 2 if s in small else LARGE_SIZE for s in expr.free_symbols}))
+    except (ArithmeticError, TypeError):  # (undefined there too: counted as large; the cut found is checked anyway)
+        return LARGE_SIZE**2
+
+
+# The sympy functions of torch's size expressions whose second argument divides.
+_DIVIDING = frozenset({"FloorDiv", "CleanDiv", "CeilDiv", "Mod", "PythonMod", "ModularIndexing", "IntTrueDiv"})
+
+
+def _divisors(expr: sympy.Expr) -> set[sympy.Symbol]:
+    """The size symbols ``expr`` divides by (in a divisor of a floor division or modulo)."""
+    return {s for f in expr.atoms(sympy.Function) if type(f).__name__ in _DIVIDING for a in f.args[1:2]
+            for s in a.free_symbols}
 
 
 def _smallest_sink_side(flow: nx.DiGraph) -> set[Any]:

@@ -10,6 +10,7 @@ with the real Inductor).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import sympy
@@ -19,7 +20,7 @@ from torch.testing import assert_close
 
 import fxsplit
 from fxsplit.passes import split_backward
-from fxsplit.passes.memory import evaluate_bytes, provably_at_most, size_lower_bounds
+from fxsplit.passes.memory import evaluate_bytes, provably_at_most, size_lower_bounds, value_bytes
 from graph_builder import GraphBuilder, check_contract, node_names, placeholder_vals, run, symbolic_mode
 from stage_check import new_regions
 from test_split_pass import flattened_linear_backward, mlp_backward
@@ -316,3 +317,46 @@ def test_cheaper_cut_with_dynamic_sizes() -> None:
     (sym,) = split.live_in_bytes_expr.free_symbols
     for rows in (2, 3, 100):
         assert split.live_in_bytes({sym: rows}) < split.all_crossing_bytes({sym: rows})
+
+
+def test_a_size_that_divides_a_constant_is_weighed_as_small() -> None:
+    """A dimension of 16 split as ``(16 // s, s)`` and joined back (head splits
+    under ``dynamic=True``, as in JetMoE's attention experts) makes byte
+    formulas with ``16 // (16 // s)``: at LARGE_SIZE the inner quotient is 0
+    and the outer one a division by zero, which failed the whole split. Such a
+    size is bounded by what it divides, so it is weighed at 2; the cut is then
+    chosen, and checked, as for any symbolic size: a saving behind a floor
+    division cannot be proved, so the all-crossing cut is kept."""
+    mode, size = symbolic_mode()
+    s0, s1 = size("s0", 5), size("s1", 4)
+    b = GraphBuilder(mode)
+    b.input("s0", s0)
+    b.input("s1", s1)
+    with mode:
+        m = 16 // (16 // s1)
+        x = b.input("x", torch.empty(s0, m, dtype=torch.bfloat16))
+        w = b.input("w", torch.empty(4, m))
+        g = b.input("tangents", torch.empty(s0, 4))
+    h = b.op("h", prims.convert_element_type.default, x, torch.float32)
+    gw = b.op("gw", aten.mm.default, g, w)
+    dx = b.op("dx", aten.mul.Tensor, gw, h)
+    gt = b.op("gt", aten.t.default, g)
+    dw = b.op("dw", aten.mm.default, gt, h)
+    bw = b.done(None, None, dx, None, dw)
+    assert any("FloorDiv" in str(f.func) for f in split_backward_bytes_atoms(bw))
+    with mode:
+        split = split_backward(bw, [4])
+    assert split.cut.recomputed == ()
+    assert sympy.expand(split.live_in_bytes_expr - split.all_crossing_bytes_expr) == 0
+    args = [5, 4, torch.randn(5, 4).to(torch.bfloat16), torch.randn(4, 4), torch.randn(5, 4)]
+    check_contract(bw, [4], args)
+
+
+def split_backward_bytes_atoms(bw: torch.fx.GraphModule) -> set[Any]:
+    """The sympy functions in the byte formulas of ``bw``'s values."""
+    atoms: set[Any] = set()
+    for n in bw.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            atoms |= value_bytes(n).atoms(sympy.Function)
+    return atoms
