@@ -72,6 +72,12 @@ def _configs() -> dict[str, tuple[Any, type[nn.Module], type[nn.Module]]]:
                             **_DECODER),
             t.MixtralModel, t.MixtralForCausalLM,
         ),
+        # Experts in attention (mixture of attention heads) and in the MLP, each a
+        # 3-D parameter the model slices per expert in a Python loop.
+        "jetmoe": (t.JetMoeConfig(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=1, num_key_value_heads=2,
+                                  kv_channels=8, intermediate_size=48, max_position_embeddings=64,
+                                  num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
+                                  pad_token_id=0), t.JetMoeModel, t.JetMoeForCausalLM),
         "qwen2_moe": (
             t.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=48,
                              num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -110,6 +116,7 @@ class HFCase:
     model: str
     stage: str
     seqs: tuple[int, ...] = SEQS
+    region_calls: int = 1  # the most times one region runs per forward (see real_stage_check)
 
     @property
     def name(self) -> str:
@@ -156,15 +163,19 @@ def _ops() -> Ops:
 # attention with learned position and token-type embeddings (BERT), top-k
 # routed experts, with a shared expert and an LM head (Qwen2-MoE), soft-capped
 # attention, a sliding window and a norm on each side of every block (Gemma 2),
-# and attention and MLP on one input, summed (Falcon). The middle
-# stages take automatic dynamic shapes (a static compile, then a dynamic
-# recompile at the second length, as a training run meets them); the last
-# stages, whose loss code costs the most to trace, mark the sequence
-# dimension dynamic from the first length (one compile).
+# and attention and MLP on one input, summed (Falcon), and experts looped
+# over in Python, each a slice of a 3-D parameter, in attention and the MLP
+# (JetMoE). The middle stages take automatic dynamic shapes (a static compile,
+# then a dynamic recompile at the second length, as a training run meets
+# them); the last stages, whose loss code costs the most to trace, mark the
+# sequence dimension dynamic from the first length (one compile). JetMoE is
+# compiled with dynamic=True (its backward then has a size that divides
+# another, see test_cut), and runs one region twice per forward.
 CASES = {
     HFCase("gpt2", "last"): "mark", HFCase("llama", "middle"): "automatic", HFCase("bert", "middle"): "automatic",
     HFCase("mixtral", "middle"): "automatic", HFCase("qwen2_moe", "last"): "mark",
     HFCase("gemma2", "middle"): "automatic", HFCase("falcon", "last"): "mark",
+    HFCase("jetmoe", "middle", region_calls=2): "always",
 }
 
 
