@@ -91,13 +91,14 @@ def _capacity(node: fx.Node) -> int:
         return LARGE_SIZE**2
 
 
-# The sympy functions of torch's size expressions whose second argument divides.
+# The sympy functions of torch's size expressions whose arguments after the first divide
+# (ModularIndexing(base, divisor, modulus): both).
 _DIVIDING = frozenset({"FloorDiv", "CleanDiv", "CeilDiv", "Mod", "PythonMod", "ModularIndexing", "IntTrueDiv"})
 
 
 def _divisors(expr: sympy.Expr) -> set[sympy.Symbol]:
     """The size symbols ``expr`` divides by (in a divisor of a floor division or modulo)."""
-    return {s for f in expr.atoms(sympy.Function) if type(f).__name__ in _DIVIDING for a in f.args[1:2]
+    return {s for f in expr.atoms(sympy.Function) if type(f).__name__ in _DIVIDING for a in f.args[1:]
             for s in a.free_symbols}
 
 

@@ -29,6 +29,15 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
+def _upcast_ops(b: GraphBuilder, x: Any, w: Any, g: Any) -> tuple[Any, Any]:
+    """The nodes ``(dx, dw)`` of :func:`upcast_backward`'s graph on ``b``'s inputs."""
+    h = b.op("h", prims.convert_element_type.default, x, torch.float32)
+    gw = b.op("gw", aten.mm.default, g, w)
+    dx = b.op("dx", aten.mul.Tensor, gw, h)
+    dw = b.op("dw", aten.mm.default, b.op("gt", aten.t.default, g), h)
+    return dx, dw
+
+
 def upcast_backward() -> torch.fx.GraphModule:
     """dI and dW both read ``h = x.float()`` for a bfloat16 saved activation ``x``:
     the input gradient scales by ``h``, the weight gradient is ``g.T @ h``."""
@@ -36,11 +45,7 @@ def upcast_backward() -> torch.fx.GraphModule:
     x = b.input("x", torch.randn(16, 8).to(torch.bfloat16))
     w = b.input("w", torch.randn(4, 8))
     g = b.input("tangents", torch.randn(16, 4))
-    h = b.op("h", prims.convert_element_type.default, x, torch.float32)
-    gw = b.op("gw", aten.mm.default, g, w)
-    dx = b.op("dx", aten.mul.Tensor, gw, h)
-    gt = b.op("gt", aten.t.default, g)
-    dw = b.op("dw", aten.mm.default, gt, h)
+    dx, dw = _upcast_ops(b, x, w, g)
     return b.done(dx, dw)
 
 
@@ -208,11 +213,7 @@ def test_symbolic_upcast_keeps_the_narrow_value_for_every_size() -> None:
         x = b.input("x", torch.empty(s0, 8, dtype=torch.bfloat16))
         w = b.input("w", torch.empty(4, 8))
         g = b.input("tangents", torch.empty(s0, 4))
-    h = b.op("h", prims.convert_element_type.default, x, torch.float32)
-    gw = b.op("gw", aten.mm.default, g, w)
-    dx = b.op("dx", aten.mul.Tensor, gw, h)
-    gt = b.op("gt", aten.t.default, g)
-    dw = b.op("dw", aten.mm.default, gt, h)
+    dx, dw = _upcast_ops(b, x, w, g)
     bw = b.done(None, dx, None, dw)
     with mode:
         split = split_backward(bw, [3])
@@ -337,13 +338,9 @@ def test_a_size_that_divides_a_constant_is_weighed_as_small() -> None:
         x = b.input("x", torch.empty(s0, m, dtype=torch.bfloat16))
         w = b.input("w", torch.empty(4, m))
         g = b.input("tangents", torch.empty(s0, 4))
-    h = b.op("h", prims.convert_element_type.default, x, torch.float32)
-    gw = b.op("gw", aten.mm.default, g, w)
-    dx = b.op("dx", aten.mul.Tensor, gw, h)
-    gt = b.op("gt", aten.t.default, g)
-    dw = b.op("dw", aten.mm.default, gt, h)
+    dx, dw = _upcast_ops(b, x, w, g)
     bw = b.done(None, None, dx, None, dw)
-    assert any("FloorDiv" in str(f.func) for f in split_backward_bytes_atoms(bw))
+    assert any("FloorDiv" in str(f.func) for f in _size_functions(bw))
     with mode:
         split = split_backward(bw, [4])
     assert split.cut.recomputed == ()
@@ -352,7 +349,7 @@ def test_a_size_that_divides_a_constant_is_weighed_as_small() -> None:
     check_contract(bw, [4], args)
 
 
-def split_backward_bytes_atoms(bw: torch.fx.GraphModule) -> set[Any]:
+def _size_functions(bw: torch.fx.GraphModule) -> set[Any]:
     """The sympy functions in the byte formulas of ``bw``'s values."""
     atoms: set[Any] = set()
     for n in bw.graph.nodes:
